@@ -1,0 +1,184 @@
+"""``IndexedDataset``: the checked, memory-mapped reader of Megatron bin/idx shards."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy
+
+from . import idx_format
+from .errors import SequenceIndexError, StatefulsetError
+from .storage import ShardFile
+
+
+def _prefix_str(path_prefix: str | os.PathLike[str]) -> str:
+    prefix = os.fspath(path_prefix)
+    for ext in (".bin", ".idx"):
+        if prefix.endswith(ext):
+            raise StatefulsetError(
+                f"{prefix}: give the prefix without extension (for example {prefix[: -len(ext)]!r})"
+            )
+    return prefix
+
+
+class IndexedDataset:
+    """Random access to the sequences of ``prefix.bin`` / ``prefix.idx``.
+
+    ``len(ds)`` is the number of sequences and ``ds[i]`` the tokens of sequence ``i``, a
+    read-only numpy array in the file's dtype (``(tokens, mode)`` when ``multimodal``). As in
+    megatron-core, the reader must be told whether the index carries sequence modes.
+
+    Opening checks the whole index (see :func:`idx_format.check_all`) unless ``validate`` is
+    False, which keeps only the O(1) checks (header, counts, file sizes). Arrays handed out
+    stay valid after the dataset is gone. Pickling sends only the path, so worker processes
+    reopen the files instead of copying them.
+
+    Paths may be fsspec URLs (``memory://``, ``s3://`` ...; ``file://`` is memory-mapped);
+    remote ``.bin`` files are read with one ranged request per read.
+    """
+
+    def __init__(
+        self,
+        path_prefix: str | os.PathLike[str],
+        multimodal: bool = False,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        validate: bool = True,
+    ) -> None:
+        self.path_prefix = _prefix_str(path_prefix)
+        self.multimodal = bool(multimodal)
+        self.storage_options = storage_options
+        self._open(validate)
+
+    def _open(self, validate: bool) -> None:
+        idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
+        idx_file = ShardFile(idx_path, self.storage_options)
+        self._bin_file = ShardFile(bin_path, self.storage_options)
+        idx_buffer = idx_file.map()
+        header = idx_format.decode_header(
+            bytes(idx_buffer[: idx_format.HEADER_SIZE]),
+            idx_size=idx_file.size,
+            multimodal=self.multimodal,
+            path=idx_path,
+        )
+        arrays = idx_format.index_arrays(idx_buffer, header)
+        check = idx_format.check_all if validate else idx_format.check_ends
+        check(arrays, bin_size=self._bin_file.size, path=idx_path, bin_path=bin_path)
+        self._arrays = arrays
+        self.dtype: numpy.dtype = header.dtype
+        self._itemsize = header.dtype.itemsize
+        self._bin_buffer = self._bin_file.map() if self._bin_file.is_local else None
+
+    # -- pickling: the path, never the data ------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "path_prefix": self.path_prefix,
+            "multimodal": self.multimodal,
+            "storage_options": self.storage_options,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open(validate=False)
+
+    # -- index arrays ------------------------------------------------------------------------
+    @property
+    def sequence_lengths(self) -> numpy.ndarray:
+        """int32 [S]: tokens per sequence."""
+        return self._arrays.sequence_lengths
+
+    @property
+    def sequence_pointers(self) -> numpy.ndarray:
+        """int64 [S]: byte offset of each sequence in the ``.bin``."""
+        return self._arrays.sequence_pointers
+
+    @property
+    def document_indices(self) -> numpy.ndarray:
+        """int64 [D+1]: sequence boundaries of the documents, from 0 to S."""
+        return self._arrays.document_indices
+
+    @property
+    def sequence_modes(self) -> numpy.ndarray | None:
+        """int8 [S] for multimodal indices, else None."""
+        return self._arrays.sequence_modes
+
+    @property
+    def num_documents(self) -> int:
+        return self._arrays.header.document_count - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._bin_file.size // self._itemsize
+
+    def __len__(self) -> int:
+        return self._arrays.header.sequence_count
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexedDataset({self.path_prefix!r}, sequences={len(self)}, documents={self.num_documents}, "
+            f"tokens={self.num_tokens}, dtype={self.dtype})"
+        )
+
+    # -- reads ---------------------------------------------------------------------------------
+    def _sequence(self, idx: Any) -> int:
+        try:
+            i = int(idx)
+        except TypeError:
+            raise TypeError(f"sequence index must be an int or a slice, not {type(idx).__name__}") from None
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise SequenceIndexError(f"{self.path_prefix}: sequence {idx} out of range for {n} sequences")
+        return i
+
+    def _read(self, byte_offset: int, count: int) -> numpy.ndarray:
+        if self._bin_buffer is not None:
+            return numpy.frombuffer(self._bin_buffer, self.dtype, count=count, offset=byte_offset)
+        return numpy.frombuffer(self._bin_file.read(byte_offset, count * self._itemsize), self.dtype)
+
+    def __getitem__(self, idx: int | slice) -> Any:
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise StatefulsetError(f"{self.path_prefix}: slices must have step 1, got {step}")
+            if start >= stop:
+                return []
+            lengths = self.sequence_lengths[start:stop]
+            tokens = self._read(int(self.sequence_pointers[start]), int(lengths.sum(dtype=numpy.int64)))
+            parts = numpy.split(tokens, numpy.cumsum(lengths)[:-1])
+            if self.multimodal:
+                return [(p, int(m)) for p, m in zip(parts, self.sequence_modes[start:stop], strict=True)]
+            return parts
+        i = self._sequence(idx)
+        tokens = self._read(int(self.sequence_pointers[i]), int(self.sequence_lengths[i]))
+        if self.multimodal:
+            return tokens, int(self.sequence_modes[i])
+        return tokens
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> numpy.ndarray:
+        """Tokens ``[offset, offset+length)`` of sequence ``idx`` (megatron-core's ``get``)."""
+        i = self._sequence(idx)
+        size = int(self.sequence_lengths[i])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise StatefulsetError(
+                f"{self.path_prefix}: tokens [{offset}, {offset + length}) are outside sequence {i} "
+                f"of {size} tokens"
+            )
+        return self._read(int(self.sequence_pointers[i]) + offset * self._itemsize, length)
+
+    def document(self, doc: int) -> list[numpy.ndarray]:
+        """The sequences of document ``doc``."""
+        n = self.num_documents
+        d = int(doc) + n if int(doc) < 0 else int(doc)
+        if not 0 <= d < n:
+            raise SequenceIndexError(f"{self.path_prefix}: document {doc} out of range for {n} documents")
+        return self[int(self.document_indices[d]) : int(self.document_indices[d + 1])]
+
+    @staticmethod
+    def exists(path_prefix: str | os.PathLike[str]) -> bool:
+        prefix = os.fspath(path_prefix)
+        return os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from statefulset import IndexedDatasetWriter
+from statefulset.idx_format import DTYPE_CODES
+
+ALL_DTYPES = list(DTYPE_CODES.values())
+
+
+def random_documents(rng: numpy.random.Generator, dtype: numpy.dtype, n: int = 50, max_len: int = 40):
+    """Documents as lists of sequences, with empty sequences and multi-sequence documents."""
+    docs = []
+    for _ in range(n):
+        seqs = []
+        for _ in range(int(rng.integers(1, 4))):
+            length = int(rng.integers(0, max_len))
+            if dtype.kind == "f":
+                seqs.append(rng.standard_normal(length).astype(dtype))
+            else:
+                info = numpy.iinfo(dtype)
+                seqs.append(rng.integers(max(info.min, -1000), min(info.max, 60000), length).astype(dtype))
+        docs.append(seqs)
+    return docs
+
+
+def write_documents(prefix, docs, dtype) -> None:
+    with IndexedDatasetWriter(prefix, dtype) as writer:
+        for seqs in docs:
+            writer.add_document(numpy.concatenate(seqs) if seqs else numpy.array([], dtype), [len(s) for s in seqs])
+
+
+@pytest.fixture
+def rng() -> numpy.random.Generator:
+    return numpy.random.default_rng(1234)
