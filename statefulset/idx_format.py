@@ -245,3 +245,20 @@ def check_all(arrays: IndexArrays, *, bin_size: int, path: str, bin_path: str) -
             )
         running = int(ends[-1])
     _check_bin_size(running, bin_size, path, bin_path)
+
+
+def decode_index(
+    buffer: object,
+    *,
+    idx_size: int,
+    bin_size: int,
+    multimodal: bool,
+    path: str,
+    bin_path: str,
+    full: bool = True,
+) -> IndexArrays:
+    """Decode and check a whole ``.idx`` buffer against the ``.bin`` size it goes with."""
+    header = decode_header(bytes(buffer[:HEADER_SIZE]), idx_size=idx_size, multimodal=multimodal, path=path)
+    arrays = index_arrays(buffer, header)
+    (check_all if full else check_ends)(arrays, bin_size=bin_size, path=path, bin_path=bin_path)
+    return arrays

@@ -55,19 +55,18 @@ class IndexedDataset:
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         idx_file = ShardFile(idx_path, self.storage_options)
         self._bin_file = ShardFile(bin_path, self.storage_options)
-        idx_buffer = idx_file.map()
-        header = idx_format.decode_header(
-            bytes(idx_buffer[: idx_format.HEADER_SIZE]),
+        arrays = idx_format.decode_index(
+            idx_file.map(),
             idx_size=idx_file.size,
+            bin_size=self._bin_file.size,
             multimodal=self.multimodal,
             path=idx_path,
+            bin_path=bin_path,
+            full=validate,
         )
-        arrays = idx_format.index_arrays(idx_buffer, header)
-        check = idx_format.check_all if validate else idx_format.check_ends
-        check(arrays, bin_size=self._bin_file.size, path=idx_path, bin_path=bin_path)
         self._arrays = arrays
-        self.dtype: numpy.dtype = header.dtype
-        self._itemsize = header.dtype.itemsize
+        self.dtype: numpy.dtype = arrays.header.dtype
+        self._itemsize = self.dtype.itemsize
         self._bin_buffer = self._bin_file.map() if self._bin_file.is_local else None
 
     # -- pickling: the path, never the data ------------------------------------------------

@@ -87,7 +87,7 @@ class IndexedDatasetWriter:
         os.makedirs(folder, exist_ok=True)
         self._folder = folder
         base = os.path.basename(self.path_prefix)
-        self._bin = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives until close()
+        self._bin = tempfile.NamedTemporaryFile(
             dir=folder, prefix=f".{base}.bin.", suffix=".tmp", delete=False
         )
         self._idx_tmp: str | None = None
@@ -162,32 +162,31 @@ class IndexedDatasetWriter:
         if lengths is None:
             if arr.size > _INT32_MAX:
                 raise StatefulsetError(f"{where}: {arr.size} tokens do not fit one sequence (int32 length)")
-            self._lengths.append(arr.size)
-            count = 1
+            new_lengths = [arr.size]
         else:
-            lens = _check_lengths(lengths, arr.size, where)
-            self._lengths.extend(lens.tolist())
-            count = lens.size
-        self._add_modes(modes, count, where)
+            new_lengths = _check_lengths(lengths, arr.size, where).tolist()
+        new_modes = self._mode_values(modes, len(new_lengths), where)
+        # Validated: only now does anything change.
+        self._lengths.extend(new_lengths)
+        self._modes.extend(new_modes)
         self._bin.write(arr.data)
-        self.sequence_count += count
+        self.sequence_count += len(new_lengths)
         self.document_count += 1
         self._documents.append(self.sequence_count)
         if len(self._lengths) >= _SPILL_EVERY or len(self._documents) >= _SPILL_EVERY:
             self._spill()
 
-    def _add_modes(self, modes: Any, count: int, where: str) -> None:
+    def _mode_values(self, modes: Any, count: int, where: str) -> list[int]:
         if not self.multimodal:
             if modes is not None:
                 raise StatefulsetError(f"{where}: modes given, but the writer is not multimodal")
-            return
+            return []
         if modes is None:
-            self._modes.extend([0] * count)
-            return
+            return [0] * count
         values = numpy.asarray(modes, dtype=numpy.int64).reshape(-1)
         if values.size != count or (values.size and (values.min() < -128 or values.max() > 127)):
             raise StatefulsetError(f"{where}: need {count} modes in [-128, 127], got {values.tolist()}")
-        self._modes.extend(values.tolist())
+        return values.tolist()
 
     def add_item(self, tokens: Any, mode: int = 0) -> None:
         """Megatron's ``add_item``: one sequence of a document closed by :meth:`end_document`."""
@@ -196,7 +195,7 @@ class IndexedDatasetWriter:
         arr = self._tokens(tokens, where)
         if arr.size > _INT32_MAX:
             raise StatefulsetError(f"{where}: {arr.size} tokens do not fit one sequence (int32 length)")
-        self._add_modes([mode] if self.multimodal else None, 1, where)
+        self._modes.extend(self._mode_values([mode] if self.multimodal else None, 1, where))
         self._bin.write(arr.data)
         self._lengths.append(arr.size)
         self.sequence_count += 1
