@@ -27,16 +27,25 @@ DTYPE = numpy.uint16
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 
+def _lengths(rng: numpy.random.Generator, docs: int) -> numpy.ndarray:
+    if docs < 1:
+        raise ValueError(f"docs must be >= 1, got {docs}")
+    return rng.geometric(1.0 / MEAN_LENGTH, size=docs).astype(numpy.int64)
+
+
+def corpus_lengths(docs: int = DEFAULT_DOCS, seed: int = SEED) -> numpy.ndarray:
+    """Only the document lengths of :func:`make_corpus` (cheap: for checking files on disk)."""
+    return _lengths(numpy.random.default_rng(seed), docs)
+
+
 def make_corpus(docs: int = DEFAULT_DOCS, seed: int = SEED) -> tuple[numpy.ndarray, numpy.ndarray]:
     """Return ``(tokens, lengths)``: all documents concatenated (1-D uint16) and tokens per document (int64).
 
     Lengths are drawn before tokens from one generator, so a given ``docs`` always gives the
     same corpus, and the lengths of the first k documents do not depend on ``docs``.
     """
-    if docs < 1:
-        raise ValueError(f"docs must be >= 1, got {docs}")
     rng = numpy.random.default_rng(seed)
-    lengths = rng.geometric(1.0 / MEAN_LENGTH, size=docs).astype(numpy.int64)
+    lengths = _lengths(rng, docs)
     # Drawing uint16 directly avoids a 4 GB int64 temporary at full size.
     tokens = rng.integers(0, VOCAB, size=int(lengths.sum()), dtype=DTYPE)
     tokens[numpy.cumsum(lengths) - 1] = EOD

@@ -110,6 +110,10 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return self._bin_file.size // self._itemsize
 
+    @property
+    def index_nbytes(self) -> int:
+        return self._arrays.header.index_size
+
     def __len__(self) -> int:
         return self._arrays.header.sequence_count
 
@@ -168,6 +172,15 @@ class IndexedDataset:
                 f"of {size} tokens"
             )
         return self._read(int(self.sequence_pointers[i]) + offset * self._itemsize, length)
+
+    def read_range(self, token_offset: int, count: int) -> numpy.ndarray:
+        """``count`` tokens of the ``.bin`` from token ``token_offset``, across sequence boundaries."""
+        if token_offset < 0 or count < 0 or token_offset + count > self.num_tokens:
+            raise StatefulsetError(
+                f"{self.path_prefix}.bin: tokens [{token_offset}, {token_offset + count}) are outside "
+                f"[0, {self.num_tokens})"
+            )
+        return self._read(token_offset * self._itemsize, count)
 
     def document(self, doc: int) -> list[numpy.ndarray]:
         """The sequences of document ``doc``."""

@@ -1,0 +1,86 @@
+"""Helpers shared by the benchmark scripts: machine and version facts, memory readings, summaries."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from importlib import metadata
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _ram_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict[str, object]:
+    """Machine and versions, read without importing torch or megatron (so it is cheap)."""
+    return {
+        "cpu": _cpu_model(),
+        "vcpus": os.cpu_count(),
+        "ram_gib": round(_ram_gib(), 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": _version("numpy"),
+        "torch": _version("torch"),
+        "megatron-core": _version("megatron-core"),
+        "statefulset": _version("statefulset"),
+    }
+
+
+def vm_status() -> dict[str, int]:
+    """``VmRSS`` and ``VmHWM`` (peak RSS) of this process, in KiB."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0])
+    return out
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0), so a later peak measures only what follows."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def environment_markdown(env: dict[str, object]) -> str:
+    return (
+        f"Machine: {env['vcpus']} vCPU {env['cpu']}, {env['ram_gib']} GiB RAM, Linux {env['kernel']}. "
+        f"Python {env['python']}, numpy {env['numpy']}, torch {env['torch']}, "
+        f"megatron-core {env['megatron-core']}, statefulset {env['statefulset']}."
+    )

@@ -1,0 +1,136 @@
+"""The ``statefulset`` command: preprocess, merge, inspect, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from .errors import StatefulsetError
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    from .preprocess import preprocess
+    from .tokenization import BYTES, TokenizerSpec
+
+    spec = TokenizerSpec(args.tokenizer or BYTES, args.eod_token, not args.no_special_tokens)
+    result = preprocess(
+        args.input,
+        args.output_prefix,
+        json_keys=args.json_keys,
+        tokenizer=spec,
+        append_eod=args.append_eod,
+        workers=args.workers,
+        skip_bad_lines=args.skip_bad_lines,
+        dtype=args.dtype,
+        chunk_bytes=args.chunk_bytes,
+        show_progress=not args.quiet,
+    )
+    print(result.summary())
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from .indexed import IndexedDataset
+    from .writer import find_prefixes, merge_datasets
+
+    prefixes: list[str] = []
+    for item in args.input:
+        if os.path.isdir(item) or any(c in item for c in "*?["):
+            found = find_prefixes(item)
+            if not found:
+                raise StatefulsetError(f"{item}: no .bin/.idx pairs found")
+            prefixes += found
+        elif IndexedDataset.exists(item):
+            prefixes.append(item)
+        else:
+            raise StatefulsetError(f"{item}: neither a folder of shards nor a prefix with .bin and .idx")
+    merged = merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
+    print(f"merged {len(prefixes)} shards into {merged.path_prefix}: {merged!r}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspection import inspect_shard
+
+    status = 0
+    for prefix in args.prefix:
+        report = inspect_shard(prefix, multimodal=args.multimodal, vocab_size=args.vocab_size)
+        print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
+        status = status or (0 if report.valid else 1)
+    return status
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return 0 if run_demo(args.dir, args.documents) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="statefulset", description="Deterministic, savable data loading on Megatron bin/idx shards."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("preprocess", help="tokenise JSON lines into <prefix>_<key>_document.{bin,idx}")
+    p.add_argument(
+        "--input", nargs="+", required=True, help="JSON-lines files (plain or .gz) or glob patterns"
+    )
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenise, one shard each")
+    p.add_argument(
+        "--tokenizer",
+        "--tokenizer-model",
+        default=None,
+        help="'bytes' (built in, default) or a local tokenizer.json / tokenizer folder",
+    )
+    p.add_argument("--eod-token", default=None, help="end-of-document token of a Hugging Face tokenizer")
+    p.add_argument("--no-special-tokens", action="store_true", help="do not add the tokenizer's BOS/EOS etc.")
+    p.add_argument(
+        "--append-eod", action="store_true", help="append the end-of-document token to each document"
+    )
+    p.add_argument("--workers", type=int, default=1, help="worker processes; output order is input order")
+    p.add_argument(
+        "--dtype", default=None, help="token dtype (default: uint16 if the vocabulary fits, else int32)"
+    )
+    p.add_argument("--skip-bad-lines", action="store_true", help="count and report malformed lines, go on")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_preprocess)
+
+    p = sub.add_parser("merge", help="concatenate shards (folders in natural order: part_2 before part_10)")
+    p.add_argument("--input", nargs="+", required=True, help="folders, glob patterns or prefixes")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--multimodal", action="store_true")
+    p.set_defaults(run=_merge)
+
+    p = sub.add_parser("inspect", help="statistics and a full validity check of shards")
+    p.add_argument("prefix", nargs="+", help="shard prefix (path without .bin/.idx)")
+    p.add_argument("--multimodal", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=None, help="also check every token id is below this")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("demo", help="run the main job on a built-in corpus (no downloads)")
+    p.add_argument("--dir", default="statefulset-demo", help="where the demo writes its files")
+    p.add_argument("--documents", type=int, default=6000)
+    p.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except StatefulsetError as exc:
+        print(f"statefulset {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
