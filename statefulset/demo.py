@@ -111,7 +111,6 @@ def run_demo(
     passed = all(ok for _, ok in checks)
     seconds = time.perf_counter() - start
     verdict = "PASS" if passed else "FAIL"
-    say(
-        f"demo: {verdict}: {sum(ok for _, ok in checks)}/{len(checks)} checks in {seconds:.1f} s; files in {folder}"
-    )
+    passed_count = sum(ok for _, ok in checks)
+    say(f"demo: {verdict}: {passed_count}/{len(checks)} checks in {seconds:.1f} s; files in {folder}")
     return passed

@@ -120,11 +120,11 @@ def inspect_shard(prefix: str, *, multimodal: bool = False, vocab_size: int | No
         ends = numpy.concatenate([[0], numpy.cumsum(lengths, dtype=numpy.int64)])
         report.document_length_percentiles = _percentiles(numpy.diff(ends[ds.document_indices]))
     report.token_min, report.token_max = _token_range(ds)
-    if vocab_size is not None and report.token_max is not None:
-        if report.token_max >= vocab_size or report.token_min < 0:
-            report.valid = False
-            report.problem = (
-                f"{ds.path_prefix}.bin: token ids span {report.token_min}..{report.token_max}, "
-                f"outside the vocabulary [0, {vocab_size})"
-            )
+    outside = report.token_max is not None and (report.token_max >= (vocab_size or 0) or report.token_min < 0)
+    if vocab_size is not None and outside:
+        report.valid = False
+        report.problem = (
+            f"{ds.path_prefix}.bin: token ids span {report.token_min}..{report.token_max}, "
+            f"outside the vocabulary [0, {vocab_size})"
+        )
     return report
