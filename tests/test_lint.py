@@ -16,6 +16,6 @@ def test_ruff_clean():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
-    run = subprocess.run([ruff, "check", "statefulset", "tests", "benchmarks", "examples"], cwd=ROOT,
-                         capture_output=True, text=True)  # fmt: skip
+    folders = [d for d in ("statefulset", "tests", "benchmarks", "examples") if (ROOT / d).is_dir()]
+    run = subprocess.run([ruff, "check", *folders], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
