@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import warnings
@@ -36,6 +37,16 @@ def _local_path(prefix: str) -> str:
             "write locally, then upload both files"
         )
     return prefix
+
+
+def _hidden_temp_path(folder: str, base: str, ext: str) -> str:
+    return os.path.join(folder, f".{base}.{ext}.{secrets.token_hex(6)}.tmp")
+
+
+def _create(path: str) -> IO[bytes]:
+    # Not tempfile: its files are private (0600) and would stay so after the rename; shards
+    # get the same permissions as any file the user creates (0666 less the umask).
+    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
 
 
 def _fsync_dir(path: str) -> None:
@@ -87,9 +98,8 @@ class IndexedDatasetWriter:
         os.makedirs(folder, exist_ok=True)
         self._folder = folder
         base = os.path.basename(self.path_prefix)
-        self._bin = tempfile.NamedTemporaryFile(
-            dir=folder, prefix=f".{base}.bin.", suffix=".tmp", delete=False
-        )
+        self._bin_tmp = _hidden_temp_path(folder, base, "bin")
+        self._bin = _create(self._bin_tmp)
         self._idx_tmp: str | None = None
         self._lengths_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
         self._documents_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
@@ -317,10 +327,8 @@ class IndexedDatasetWriter:
             os.fsync(self._bin.fileno())
             self._bin.close()
             base = os.path.basename(self.path_prefix)
-            with tempfile.NamedTemporaryFile(
-                dir=self._folder, prefix=f".{base}.idx.", suffix=".tmp", delete=False
-            ) as out:
-                self._idx_tmp = out.name
+            self._idx_tmp = _hidden_temp_path(self._folder, base, "idx")
+            with _create(self._idx_tmp) as out:
                 self._write_index(out)
                 out.flush()
                 os.fsync(out.fileno())
@@ -328,7 +336,7 @@ class IndexedDatasetWriter:
             idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
             if os.path.lexists(idx_path):
                 os.remove(idx_path)
-            os.replace(self._bin.name, bin_path)
+            os.replace(self._bin_tmp, bin_path)
             os.replace(self._idx_tmp, idx_path)
             self._idx_tmp = None
             _fsync_dir(self._folder)
@@ -344,7 +352,7 @@ class IndexedDatasetWriter:
         if self._closed:
             return
         self._bin.close()
-        for path in (self._bin.name, self._idx_tmp):
+        for path in (self._bin_tmp, self._idx_tmp):
             if path and os.path.exists(path):
                 os.remove(path)
         self._release()

@@ -157,3 +157,14 @@ def test_merge_memory_does_not_grow_with_sequences(tmp_path, monkeypatch):
     # 800k sequences would cost ~20 MB of index arrays if they were held; we stay flat.
     assert large < 1.25 * small + (256 << 10), (small, large)
     assert large < 4 << 20, large
+
+
+def test_shards_get_ordinary_file_permissions(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        with IndexedDatasetWriter(tmp_path / "s") as w:
+            w.add_document([1])
+    finally:
+        os.umask(previous)
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"s.{ext}").stat().st_mode & 0o777 == 0o644
