@@ -76,9 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("preprocess", help="tokenise JSON lines into <prefix>_<key>_document.{bin,idx}")
-    p.add_argument(
-        "--input", nargs="+", required=True, help="JSON-lines files (plain or .gz) or glob patterns"
-    )
+    p.add_argument("--input", nargs="+", required=True, help="JSON-lines files (plain or .gz) or glob patterns")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenise, one shard each")
     p.add_argument(
@@ -89,13 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eod-token", default=None, help="end-of-document token of a Hugging Face tokenizer")
     p.add_argument("--no-special-tokens", action="store_true", help="do not add the tokenizer's BOS/EOS etc.")
-    p.add_argument(
-        "--append-eod", action="store_true", help="append the end-of-document token to each document"
-    )
+    p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
     p.add_argument("--workers", type=int, default=1, help="worker processes; output order is input order")
-    p.add_argument(
-        "--dtype", default=None, help="token dtype (default: uint16 if the vocabulary fits, else int32)"
-    )
+    p.add_argument("--dtype", default=None, help="token dtype (default: uint16 if the vocabulary fits, else int32)")
     p.add_argument("--skip-bad-lines", action="store_true", help="count and report malformed lines, go on")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

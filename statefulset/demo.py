@@ -58,9 +58,7 @@ def write_demo_corpus(folder: str, documents: int = 6000) -> list[str]:
     return paths
 
 
-def run_demo(
-    folder: str = "statefulset-demo", documents: int = 6000, say: Callable[[str], None] = print
-) -> bool:
+def run_demo(folder: str = "statefulset-demo", documents: int = 6000, say: Callable[[str], None] = print) -> bool:
     """Run every step; return True when every check passed."""
     start = time.perf_counter()
     checks: list[tuple[str, bool]] = []
@@ -72,9 +70,7 @@ def run_demo(
     say("[2/5] statefulset preprocess (byte-level tokenizer, --append-eod, --workers 2), one shard per part")
     for path in inputs:
         name = os.path.basename(path).split(".")[0]
-        result = preprocess(
-            [path], os.path.join(shards, name), append_eod=True, workers=2, show_progress=False
-        )
+        result = preprocess([path], os.path.join(shards, name), append_eod=True, workers=2, show_progress=False)
         say("      " + result.summary().splitlines()[0])
 
     say("[3/5] statefulset merge, natural order (part_1, part_2, part_10)")

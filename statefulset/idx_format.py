@@ -112,14 +112,10 @@ def encode_header(dtype: object, sequence_count: int, document_count: int) -> by
 def decode_header(head: bytes, *, idx_size: int, multimodal: bool, path: str) -> IndexHeader:
     """Check the 34-byte header against the file size; ``head`` holds at least its first 34 bytes."""
     if idx_size < HEADER_SIZE or len(head) < HEADER_SIZE:
-        raise StatefulsetError(
-            f"{path}: file is {idx_size} bytes, shorter than the {HEADER_SIZE}-byte MMIDIDX header"
-        )
+        raise StatefulsetError(f"{path}: file is {idx_size} bytes, shorter than the {HEADER_SIZE}-byte MMIDIDX header")
     magic, version, code, sequence_count, document_count = _HEADER.unpack_from(head)
     if magic != MAGIC:
-        raise StatefulsetError(
-            f"{path}: field 'magic' is {magic!r}, expected {MAGIC!r}: not a Megatron .idx file"
-        )
+        raise StatefulsetError(f"{path}: field 'magic' is {magic!r}, expected {MAGIC!r}: not a Megatron .idx file")
     if version != VERSION:
         raise StatefulsetError(f"{path}: field 'version' is {version}, only version {VERSION} is known")
     if code not in DTYPE_CODES:
@@ -221,8 +217,7 @@ def check_all(arrays: IndexArrays, *, bin_size: int, path: str, bin_path: str) -
         if (steps < 0).any():
             i = start + _first(steps < 0)
             raise StatefulsetError(
-                f"{path}: field 'document_indices[{i}]' is {int(documents[i])}, "
-                "smaller than the entry before it"
+                f"{path}: field 'document_indices[{i}]' is {int(documents[i])}, smaller than the entry before it"
             )
         previous = int(chunk[-1])
     itemsize = header.dtype.itemsize

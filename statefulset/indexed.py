@@ -16,9 +16,7 @@ def _prefix_str(path_prefix: str | os.PathLike[str]) -> str:
     prefix = os.fspath(path_prefix)
     for ext in (".bin", ".idx"):
         if prefix.endswith(ext):
-            raise StatefulsetError(
-                f"{prefix}: give the prefix without extension (for example {prefix[: -len(ext)]!r})"
-            )
+            raise StatefulsetError(f"{prefix}: give the prefix without extension (for example {prefix[: -len(ext)]!r})")
     return prefix
 
 
@@ -168,8 +166,7 @@ class IndexedDataset:
             length = size - offset
         if offset < 0 or length < 0 or offset + length > size:
             raise StatefulsetError(
-                f"{self.path_prefix}: tokens [{offset}, {offset + length}) are outside sequence {i} "
-                f"of {size} tokens"
+                f"{self.path_prefix}: tokens [{offset}, {offset + length}) are outside sequence {i} of {size} tokens"
             )
         return self._read(int(self.sequence_pointers[i]) + offset * self._itemsize, length)
 

@@ -119,9 +119,7 @@ def _chunks(paths: list[str], chunk_bytes: int) -> Iterator[_Chunk]:
                     try:
                         lines = stream.readlines(chunk_bytes)
                     except (OSError, EOFError, zlib.error) as exc:
-                        raise StatefulsetError(
-                            f"{path}: cannot decompress after line {line - 1}: {exc}"
-                        ) from exc
+                        raise StatefulsetError(f"{path}: cannot decompress after line {line - 1}: {exc}") from exc
                     if not lines:
                         break
                     now = raw.tell()
@@ -245,9 +243,7 @@ def preprocess(
     probe = spec.build()  # fail fast in this process on a bad tokenizer path
     if append_eod and probe.eod is None:
         raise StatefulsetError(f"{spec.name}: no end-of-document token found; pass --eod-token")
-    out_dtype = (
-        idx_format.token_dtype(dtype) if dtype is not None else idx_format.optimal_dtype(probe.vocab_size)
-    )
+    out_dtype = idx_format.token_dtype(dtype) if dtype is not None else idx_format.optimal_dtype(probe.vocab_size)
     keys = tuple(json_keys)
     result = PreprocessResult(outputs={k: f"{output_prefix}_{k}_document" for k in keys})
     writers = {k: IndexedDatasetWriter(p, out_dtype) for k, p in result.outputs.items()}
@@ -258,9 +254,7 @@ def preprocess(
             if encoded.bad:
                 if not skip_bad_lines:
                     path, line, reason = encoded.bad[0]
-                    raise StatefulsetError(
-                        f"{path}:{line}: {reason} (use --skip-bad-lines to skip such lines)"
-                    )
+                    raise StatefulsetError(f"{path}:{line}: {reason} (use --skip-bad-lines to skip such lines)")
                 result.bad_lines += len(encoded.bad)
                 room = 3 - len(result.first_bad)
                 result.first_bad += [f"{p}:{n}: {r}" for p, n, r in encoded.bad[:room]]

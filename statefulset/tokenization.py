@@ -60,8 +60,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer as _Backend
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise StatefulsetError(
-                f"{path}: Hugging Face tokenizers need the 'tokenizers' package: "
-                "pip install 'statefulset[tokenizers]'"
+                f"{path}: Hugging Face tokenizers need the 'tokenizers' package: pip install 'statefulset[tokenizers]'"
             ) from exc
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -123,8 +122,6 @@ class TokenizerSpec:
     def build(self) -> ByteTokenizer | HFTokenizer:
         if self.name == BYTES:
             if self.eod_token is not None:
-                raise StatefulsetError(
-                    "--eod-token applies to Hugging Face tokenizers; the byte tokenizer's is 256"
-                )
+                raise StatefulsetError("--eod-token applies to Hugging Face tokenizers; the byte tokenizer's is 256")
             return ByteTokenizer()
         return HFTokenizer(self.name, self.eod_token, self.add_special_tokens)

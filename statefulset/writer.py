@@ -17,6 +17,7 @@ from typing import IO, Any
 import numpy
 
 from . import idx_format
+from .direct_io import SequentialWriter
 from .errors import StatefulsetError
 from .indexed import IndexedDataset, _prefix_str
 
@@ -99,7 +100,7 @@ class IndexedDatasetWriter:
         self._folder = folder
         base = os.path.basename(self.path_prefix)
         self._bin_tmp = _hidden_temp_path(folder, base, "bin")
-        self._bin = _create(self._bin_tmp)
+        self._bin = SequentialWriter(self._bin_tmp)
         self._idx_tmp: str | None = None
         self._lengths_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
         self._documents_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
@@ -166,6 +167,25 @@ class IndexedDatasetWriter:
         self, tokens: Any, lengths: Sequence[int] | None = None, modes: Sequence[int] | None = None
     ) -> None:
         """Add one document: one sequence, or several when ``lengths`` (tokens per sequence) is given."""
+        if (
+            lengths is None
+            and not self.multimodal
+            and type(tokens) is numpy.ndarray
+            and tokens.dtype == self.dtype
+            and tokens.ndim == 1
+            and tokens.flags.c_contiguous
+            and not self._closed
+            and tokens.size <= _INT32_MAX
+        ):
+            # The common case (a token array in the shard's dtype) skips every conversion.
+            self._bin.write(tokens)
+            self._lengths.append(tokens.size)
+            self.sequence_count += 1
+            self.document_count += 1
+            self._documents.append(self.sequence_count)
+            if len(self._documents) >= _SPILL_EVERY:
+                self._spill()
+            return
         self._check_open()
         where = f"{self.path_prefix}: document {self.document_count}"
         arr = self._tokens(tokens, where)
@@ -179,7 +199,7 @@ class IndexedDatasetWriter:
         # Validated: only now does anything change.
         self._lengths.extend(new_lengths)
         self._modes.extend(new_modes)
-        self._bin.write(arr.data)
+        self._bin.write(arr)
         self.sequence_count += len(new_lengths)
         self.document_count += 1
         self._documents.append(self.sequence_count)
@@ -206,7 +226,7 @@ class IndexedDatasetWriter:
         if arr.size > _INT32_MAX:
             raise StatefulsetError(f"{where}: {arr.size} tokens do not fit one sequence (int32 length)")
         self._modes.extend(self._mode_values([mode] if self.multimodal else None, 1, where))
-        self._bin.write(arr.data)
+        self._bin.write(arr)
         self._lengths.append(arr.size)
         self.sequence_count += 1
         self._open_item = True
@@ -251,7 +271,7 @@ class IndexedDatasetWriter:
         elif modes is not None:
             raise StatefulsetError(f"{where}: modes given, but the writer is not multimodal")
         self._spill()
-        self._bin.write(arr.data)
+        self._bin.write(arr)
         self._lengths_spill.write(lens.astype(idx_format.LENGTH_DTYPE).tobytes())
         ends = numpy.cumsum(per_doc) + self.sequence_count
         self._documents_spill.write(ends.astype(idx_format.DOCUMENT_DTYPE).tobytes())
@@ -279,8 +299,10 @@ class IndexedDatasetWriter:
         for start in range(1, boundaries.size, chunk):
             shifted = boundaries[start : start + chunk] + self.sequence_count
             self._documents_spill.write(shifted.astype(idx_format.DOCUMENT_DTYPE).tobytes())
+        block = bytearray(_COPY_BYTES)  # one reused buffer: fresh pages are what costs here
         with source._bin_file.open() as f:
-            shutil.copyfileobj(f, self._bin, _COPY_BYTES)
+            while n := f.readinto(block):
+                self._bin.write(memoryview(block)[:n])
         self.sequence_count += len(source)
         self.document_count += source.num_documents
 
@@ -323,8 +345,6 @@ class IndexedDatasetWriter:
             self.end_document()
         try:
             self._spill()
-            self._bin.flush()
-            os.fsync(self._bin.fileno())
             self._bin.close()
             base = os.path.basename(self.path_prefix)
             self._idx_tmp = _hidden_temp_path(self._folder, base, "idx")
@@ -351,7 +371,7 @@ class IndexedDatasetWriter:
         """Drop everything written so far; the final names are left untouched."""
         if self._closed:
             return
-        self._bin.close()
+        self._bin.abort()
         for path in (self._bin_tmp, self._idx_tmp):
             if path and os.path.exists(path):
                 os.remove(path)

@@ -28,9 +28,7 @@ def random_documents(rng: numpy.random.Generator, dtype: numpy.dtype, n: int = 5
 def write_documents(prefix, docs, dtype) -> None:
     with IndexedDatasetWriter(prefix, dtype) as writer:
         for seqs in docs:
-            writer.add_document(
-                numpy.concatenate(seqs) if seqs else numpy.array([], dtype), [len(s) for s in seqs]
-            )
+            writer.add_document(numpy.concatenate(seqs) if seqs else numpy.array([], dtype), [len(s) for s in seqs])
 
 
 @pytest.fixture

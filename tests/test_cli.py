@@ -53,10 +53,7 @@ def test_errors_are_one_line_with_exit_code(tmp_path):
 def test_inspect_reports_a_corrupt_shard(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "abc"}\n')
     assert (
-        cli(
-            "preprocess", "--input", tmp_path / "c.jsonl", "--output-prefix", tmp_path / "c", "--quiet"
-        ).returncode
-        == 0
+        cli("preprocess", "--input", tmp_path / "c.jsonl", "--output-prefix", tmp_path / "c", "--quiet").returncode == 0
     )
     idx = tmp_path / "c_text_document.idx"
     idx.write_bytes(idx.read_bytes()[:-1])

@@ -80,9 +80,7 @@ def test_bin_size_mismatch(shard, change):
     binary = shard.with_suffix(".bin")
     data = binary.read_bytes()
     binary.write_bytes(data[:-2] if change == b"" else data + change)
-    with pytest.raises(
-        StatefulsetError, match=r"shard\.bin: file is \d+ bytes, but .*shard\.idx describes 24"
-    ):
+    with pytest.raises(StatefulsetError, match=r"shard\.bin: file is \d+ bytes, but .*shard\.idx describes 24"):
         IndexedDataset(shard)
     with pytest.raises(StatefulsetError, match=r"shard\.bin"):
         IndexedDataset(shard, validate=False)  # the O(1) checks catch it too

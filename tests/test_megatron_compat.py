@@ -23,9 +23,7 @@ def megatron_write(prefix, docs, dtype, multimodal=False, modes=None):
 
 
 def same_files(a, b):
-    return filecmp.cmp(f"{a}.bin", f"{b}.bin", shallow=False) and filecmp.cmp(
-        f"{a}.idx", f"{b}.idx", shallow=False
-    )
+    return filecmp.cmp(f"{a}.bin", f"{b}.bin", shallow=False) and filecmp.cmp(f"{a}.idx", f"{b}.idx", shallow=False)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

@@ -96,9 +96,7 @@ def hf_tokenizer_dir(tmp_path_factory):
 def test_hf_tokenizer_matches_megatron_semantics(tmp_path, hf_tokenizer_dir):
     source = write_jsonl(tmp_path / "in.jsonl", RECORDS)
     spec = TokenizerSpec(str(hf_tokenizer_dir))
-    preprocess(
-        [str(source)], str(tmp_path / "ours"), tokenizer=spec, append_eod=True, workers=2, show_progress=False
-    )
+    preprocess([str(source)], str(tmp_path / "ours"), tokenizer=spec, append_eod=True, workers=2, show_progress=False)
     tok = HFTokenizer(str(hf_tokenizer_dir))
     assert tok.eod == tok._backend.token_to_id("<|endoftext|>")
     megatron_reference(
@@ -168,9 +166,7 @@ def test_input_and_tokenizer_errors(tmp_path):
         preprocess([str(tmp_path / "*.jsonl")], str(tmp_path / "o"), show_progress=False)
     source = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
     with pytest.raises(StatefulsetError, match="no such tokenizer file"):
-        preprocess(
-            [str(source)], str(tmp_path / "o"), tokenizer=TokenizerSpec(str(tmp_path)), show_progress=False
-        )
+        preprocess([str(source)], str(tmp_path / "o"), tokenizer=TokenizerSpec(str(tmp_path)), show_progress=False)
     (tmp_path / "broken.json").write_text("{}")
     with pytest.raises(StatefulsetError, match=r"broken\.json: not a valid tokenizer\.json"):
         TokenizerSpec(str(tmp_path / "broken.json")).build()

@@ -99,9 +99,7 @@ def test_bad_batches_and_dtypes(tmp_path):
     with pytest.raises(StatefulsetError, match="local files only"):
         IndexedDatasetWriter("s3://bucket/x")
     with IndexedDatasetWriter(tmp_path / "s") as w:
-        with pytest.raises(
-            StatefulsetError, match="sequences_per_document: lengths sum to 3 but there are 2"
-        ):
+        with pytest.raises(StatefulsetError, match="sequences_per_document: lengths sum to 3 but there are 2"):
             w.add_documents([1, 2, 3], [1, 2], sequences_per_document=[1, 2])
         w.add_documents(numpy.array([1, 2, 3], numpy.int64), [1, 2])
     assert [s.tolist() for s in IndexedDataset(tmp_path / "s")] == [[1], [2, 3]]
