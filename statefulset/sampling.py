@@ -1,0 +1,147 @@
+"""megatron-core 0.16's GPTDataset sample order, reproduced exactly and vectorised.
+
+Three arrays, built from one ``numpy.random.RandomState(seed)`` in this order:
+
+- ``document_index`` (int32): the split's sequence ids tiled once per epoch and shuffled
+  jointly (the first E-1 epochs jointly and the last one on its own when the final epoch is
+  "separate", i.e. less than 80% of it is needed);
+- ``sample_index`` ([n+1, 2]): for stream position k·S of the concatenated shuffled sequences,
+  the position in ``document_index`` and the token offset there;
+- ``shuffle_index``: a permutation of the n samples (the partial final epoch shuffled apart
+  and kept last).
+
+Sample ``p`` is tokens ``[k·S, (k+1)·S + 1)`` of that stream with ``k = shuffle_index[p]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy
+
+from .errors import StatefulsetError
+
+_INT32_MAX = numpy.iinfo(numpy.int32).max
+_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+def num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int | None, extra: int = 1) -> int:
+    """The fewest whole epochs that hold ``num_samples`` samples (1 when unset)."""
+    if num_samples is None:
+        return 1
+    requested = num_samples * seq_length + extra
+    return max(1, -(-requested // tokens_per_epoch))
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    epochs: int
+    separate_final_epoch: bool
+    samples_before_final_epoch: int  # only meaningful when separate_final_epoch
+
+
+def plan_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int | None, extra: int = 1) -> EpochPlan:
+    epochs = num_epochs(tokens_per_epoch, seq_length, num_samples, extra)
+    if epochs == 1:
+        return EpochPlan(1, False, 0)
+    before = ((epochs - 1) * tokens_per_epoch - extra) // seq_length
+    from_final = num_samples - before
+    per_epoch = (tokens_per_epoch - extra) // seq_length
+    separate = from_final < int(_FINAL_EPOCH_THRESHOLD * per_epoch)
+    return EpochPlan(epochs, separate, before)
+
+
+def build_document_index(
+    sequence_ids: numpy.ndarray, epochs: int, rng: numpy.random.RandomState, separate_final_epoch: bool
+) -> numpy.ndarray:
+    if separate_final_epoch and epochs > 1:
+        first = build_document_index(sequence_ids, epochs - 1, rng, False)
+        last = build_document_index(sequence_ids, 1, rng, False)
+        return numpy.concatenate((first, last))
+    index = numpy.tile(numpy.asarray(sequence_ids, dtype=numpy.int32), epochs)
+    rng.shuffle(index)
+    return index
+
+
+def build_sample_index(
+    sequence_lengths: numpy.ndarray,
+    document_index: numpy.ndarray,
+    seq_length: int,
+    epochs: int,
+    tokens_per_epoch: int,
+    drop_last_partial: bool = True,
+    extra: int = 1,
+) -> numpy.ndarray:
+    """Row k: (position in document_index, offset) where sample k starts; rows n+1."""
+    total = epochs * tokens_per_epoch - extra
+    # Without drop_last, megatron computes this ceil in single precision; so do we.
+    n = total // seq_length if drop_last_partial else int(numpy.ceil(numpy.float32(total) / numpy.float32(seq_length)))
+    lengths = numpy.asarray(sequence_lengths)[document_index].astype(numpy.int64)
+    starts = numpy.zeros(lengths.size + 1, dtype=numpy.int64)
+    numpy.cumsum(lengths, out=starts[1:])
+    widest = max(document_index.shape[0], int(numpy.asarray(sequence_lengths).max(initial=0)))
+    dtype = numpy.int32 if widest <= _INT32_MAX else numpy.int64
+    sample = numpy.empty((n + 1, 2), dtype=dtype)
+    positions = numpy.arange(n + 1, dtype=numpy.int64) * seq_length
+    # Sample k ends (and k+1 starts) in the sequence holding its last token, position k·S+x-1.
+    probe = positions + (extra - 1)
+    probe[0] = 0
+    rows = numpy.searchsorted(starts, probe, side="right") - 1
+    rows = numpy.minimum(rows, lengths.size - 1)
+    sample[:, 0] = rows
+    sample[:, 1] = positions - starts[rows]
+    if not drop_last_partial and n * seq_length > total:
+        last = lengths.size - 1
+        sample[n] = (last, lengths[last] - extra)
+    return sample
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: numpy.random.RandomState) -> numpy.ndarray:
+    dtype = numpy.uint32 if total_size < numpy.iinfo(numpy.uint32).max - 1 else numpy.int64
+    first = numpy.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = numpy.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return numpy.concatenate((first, last))
+
+
+@dataclass(frozen=True)
+class GPTIndices:
+    document_index: numpy.ndarray
+    sample_index: numpy.ndarray
+    shuffle_index: numpy.ndarray
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+
+def build_gpt_indices(
+    sequence_lengths: numpy.ndarray,
+    sequence_ids: numpy.ndarray,
+    seq_length: int,
+    seed: int,
+    num_samples: int | None,
+    drop_last_partial: bool = True,
+    extra: int = 1,
+    where: str = "dataset",
+) -> GPTIndices:
+    """All three arrays for one split of one shard, as megatron-core builds them."""
+    if seq_length < 2:
+        raise StatefulsetError(f"{where}: seq_length must be at least 2, got {seq_length}")
+    tokens_per_epoch = int(numpy.asarray(sequence_lengths)[sequence_ids].sum(dtype=numpy.int64))
+    if tokens_per_epoch <= extra:
+        raise StatefulsetError(
+            f"{where}: the split holds {tokens_per_epoch} tokens, too few for even one sample of {seq_length}"
+        )
+    plan = plan_epochs(tokens_per_epoch, seq_length, num_samples, extra)
+    rng = numpy.random.RandomState(seed)
+    document_index = build_document_index(sequence_ids, plan.epochs, rng, plan.separate_final_epoch)
+    sample_index = build_sample_index(
+        sequence_lengths, document_index, seq_length, plan.epochs, tokens_per_epoch, drop_last_partial, extra
+    )
+    n = sample_index.shape[0] - 1
+    first = plan.samples_before_final_epoch if plan.separate_final_epoch else n
+    shuffle_index = build_shuffle_index(first, n, rng)
+    return GPTIndices(document_index, sample_index, shuffle_index)
