@@ -15,14 +15,14 @@ SPLITS = ("train", "valid", "test")
 
 def parse_split(text: str, where: str = "split") -> list[float]:
     """``"949,50,1"`` (any separators) → three ratios summing to 1, padded with zeros."""
-    numbers = re.findall(r"[.0-9]+", str(text))
+    parts = [p for p in re.split(r"[,/:;\s]+", str(text).strip()) if p]
+    if not parts or len(parts) > len(SPLITS):
+        raise StatefulsetError(f"{where}: {text!r} needs one to three ratios like '949,50,1'")
     try:
-        values = [float(n) for n in numbers]
+        values = [float(p) for p in parts]
     except ValueError:
         raise StatefulsetError(f"{where}: {text!r} is not a list of numbers like '949,50,1'") from None
-    if not values or len(values) > len(SPLITS):
-        raise StatefulsetError(f"{where}: {text!r} needs one to three numbers like '949,50,1'")
-    if re.search(r"-\s*[.0-9]", str(text)):
+    if any(v < 0 for v in values):
         raise StatefulsetError(f"{where}: {text!r} has a negative ratio")
     values += [0.0] * (len(SPLITS) - len(values))
     total = sum(values)

@@ -79,10 +79,13 @@ def test_bad_inputs():
         parse_split("90,-5,15")
     with pytest.raises(StatefulsetError, match="positive total"):
         parse_split("0,0,0")
-    with pytest.raises(StatefulsetError, match="one to three numbers"):
+    with pytest.raises(StatefulsetError, match="one to three ratios"):
         parse_split("1,2,3,4")
-    with pytest.raises(StatefulsetError, match="one to three numbers"):
+    with pytest.raises(StatefulsetError, match="not a list of numbers"):
         parse_split("abc")
+    with pytest.raises(StatefulsetError, match="not a list of numbers"):
+        parse_split("90,x")
+    assert parse_split("949/50/1") == parse_split(" 949, 50, 1 ") == parse_split("949 50 1")
     lengths = numpy.array([3, 4], dtype=numpy.int32)
     with pytest.raises(StatefulsetError, match="too few for even one sample"):
         build_gpt_indices(lengths, numpy.arange(0, 0, dtype=numpy.int32), 8, 1, None)

@@ -1,0 +1,209 @@
+"""The dataset spec: a YAML file (or the same mapping as a dict), validated with pydantic.
+
+Every mistake is a ``StatefulsetError`` naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from .errors import StatefulsetError
+from .split import SPLITS, parse_split
+
+Blend = list[tuple[str, float]]
+
+
+def _blend(value: Any) -> Blend:
+    """One prefix, a mapping prefix → weight (Nanotron), or ``[w1, p1, w2, p2, ...]`` (Megatron)."""
+    if isinstance(value, str):
+        pairs = [(value, 1.0)]
+    elif isinstance(value, Mapping):
+        pairs = [(str(k), v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        if len(value) == 1 and isinstance(value[0], str):
+            pairs = [(value[0], 1.0)]
+        elif len(value) % 2 or not value:
+            raise ValueError("a list must alternate weights and prefixes: [w1, prefix1, w2, prefix2, ...]")
+        else:
+            pairs = [(value[i + 1], value[i]) for i in range(0, len(value), 2)]
+    else:
+        raise ValueError(f"expected a prefix, a mapping prefix -> weight or a list, got {type(value).__name__}")
+    out: Blend = []
+    for prefix, weight in pairs:
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix {prefix!r} is not a non-empty string")
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise ValueError(f"weight of {prefix!r} is {weight!r}, not a number")
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"weight of {prefix!r} is {weight}; weights must be finite and non-negative")
+        out.append((prefix, float(weight)))
+    if sum(w for _, w in out) <= 0:
+        raise ValueError("all weights are zero")
+    return out
+
+
+class SplitSpec(BaseModel):
+    """Data for one split when splits come from separate prefixes (Megatron's blend_per_split)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    data_path: Blend
+    num_samples: int | None = None
+
+    _blend = field_validator("data_path", mode="before")(_blend)
+
+    @field_validator("num_samples")
+    @classmethod
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"must be positive, got {v}")
+        return v
+
+
+class DatasetSpec(BaseModel):
+    """What to load; see docs/yaml.md for every key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    data_path: Blend | None = None
+    seq_length: int
+    split: str = "969,30,1"
+    seed: int = 1234
+    packing: Literal["megatron", "native"] = "megatron"
+    num_samples: int | None = None
+    path_to_cache: str | None = None
+    train: SplitSpec | None = None
+    valid: SplitSpec | None = None
+    test: SplitSpec | None = None
+
+    _blend = field_validator("data_path", mode="before")(lambda v: None if v is None else _blend(v))
+
+    @field_validator("seq_length")
+    @classmethod
+    def _seq_length(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(f"must be at least 2, got {v}")
+        return v
+
+    @field_validator("num_samples")
+    @classmethod
+    def _num_samples(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"must be positive, got {v}")
+        return v
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> str:
+        if isinstance(v, list | tuple):
+            v = ",".join(str(x) for x in v)
+        if not isinstance(v, str | int | float):
+            raise ValueError(f"expected a string like '949,50,1', got {type(v).__name__}")
+        try:
+            parse_split(str(v))
+        except StatefulsetError as exc:
+            raise ValueError(str(exc)) from None
+        return str(v)
+
+    @model_validator(mode="after")
+    def _some_data(self) -> DatasetSpec:
+        per_split = any(getattr(self, s) is not None for s in SPLITS)
+        if self.data_path is None and not per_split:
+            raise ValueError("give data_path, or per-split train:/valid:/test: sections")
+        if self.data_path is not None and per_split:
+            raise ValueError("give either data_path (with split) or train:/valid:/test:, not both")
+        return self
+
+    def blend_for(self, split: str) -> tuple[Blend, int | None] | None:
+        """(prefixes with weights, num_samples) for a split, or None when the split is empty."""
+        if self.data_path is not None:
+            ratios = parse_split(self.split)
+            if ratios[SPLITS.index(split)] == 0:
+                return None
+            return self.data_path, (self.num_samples if split == "train" else None)
+        section = getattr(self, split)
+        if section is None:
+            return None
+        num_samples = section.num_samples
+        if split == "train" and num_samples is None:
+            num_samples = self.num_samples
+        return section.data_path, num_samples
+
+
+def _resolve(prefix: str, base: str | None) -> str:
+    if "://" in prefix or os.path.isabs(prefix) or base is None:
+        return prefix
+    return os.path.normpath(os.path.join(base, prefix))
+
+
+def load_spec(source: str | os.PathLike[str] | Mapping[str, Any], *, check_files: bool = True) -> DatasetSpec:
+    """Read and validate a spec; relative prefixes resolve against the YAML file's folder."""
+    if isinstance(source, Mapping):
+        where, base, raw = "spec", os.getcwd(), dict(source)
+    else:
+        where = os.fspath(source)
+        base = os.path.dirname(os.path.abspath(where))
+        try:
+            with open(where, encoding="utf-8") as f:
+                raw = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise StatefulsetError(f"{where}: no such spec file") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StatefulsetError(f"{where}: cannot read: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise StatefulsetError(f"{where}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise StatefulsetError(f"{where}: the spec must be a mapping of keys, got {type(raw).__name__}")
+    try:
+        spec = DatasetSpec.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            key = ".".join(str(p) for p in error["loc"])
+            message = error["msg"].removeprefix("Value error, ")
+            if error["type"] == "extra_forbidden":
+                message = "unknown key"
+            problems.append(f"key '{key}': {message}" if key else message)
+        raise StatefulsetError(f"{where}: " + "; ".join(problems)) from None
+    updates: dict[str, Any] = {}
+    if spec.data_path is not None:
+        updates["data_path"] = [(_resolve(p, base), w) for p, w in spec.data_path]
+    for split in SPLITS:
+        section = getattr(spec, split)
+        if section is not None:
+            updates[split] = section.model_copy(
+                update={"data_path": [(_resolve(p, base), w) for p, w in section.data_path]}
+            )
+    if spec.path_to_cache is not None:
+        updates["path_to_cache"] = _resolve(spec.path_to_cache, base)
+    spec = spec.model_copy(update=updates)
+    if check_files:
+        _check_shards(spec, where)
+    return spec
+
+
+def _check_shards(spec: DatasetSpec, where: str) -> None:
+    sections = [("data_path", spec.data_path)] + [
+        (f"{s}.data_path", getattr(spec, s).data_path) for s in SPLITS if getattr(spec, s) is not None
+    ]
+    for key, blend in sections:
+        for prefix, _ in blend or []:
+            for ext in (".bin", ".idx"):
+                if not _exists(prefix + ext):
+                    raise StatefulsetError(f"{where}: key '{key}': shard {prefix}{ext} does not exist")
+
+
+def _exists(path: str) -> bool:
+    if "://" not in path:
+        return os.path.exists(path)
+    import fsspec
+
+    try:
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        return bool(fs.exists(fs_path))
+    except (ValueError, ImportError, OSError):
+        return False
