@@ -238,6 +238,10 @@ def preprocess(
         raise StatefulsetError(f"--workers must be at least 1, got {workers}")
     if not json_keys:
         raise StatefulsetError("--json-keys needs at least one key")
+    if len(set(json_keys)) != len(json_keys):
+        raise StatefulsetError(f"--json-keys lists a key twice: {list(json_keys)}")
+    if chunk_bytes < 1:
+        raise StatefulsetError(f"--chunk-bytes must be positive, got {chunk_bytes}")
     spec = tokenizer or TokenizerSpec()
     paths = expand_inputs(inputs)
     probe = spec.build()  # fail fast in this process on a bad tokenizer path

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 from typing import IO, Any
 
 from .errors import StatefulsetError
@@ -41,7 +42,10 @@ class ShardFile:
             self._local = path
         try:
             if self._local is not None:
-                self.size = os.stat(self._local).st_size
+                info = os.stat(self._local)
+                if not stat.S_ISREG(info.st_mode):
+                    raise StatefulsetError(f"{path}: not a regular file")
+                self.size = info.st_size
             else:
                 self.size = int(self._fs.size(self._remote))
         except FileNotFoundError:
@@ -63,14 +67,20 @@ class ShardFile:
             return self.read(0, self.size)
         if self.size == 0:
             return b""  # mmap refuses empty files
-        with open(self._local, "rb") as f:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            with open(self._local, "rb") as f:
+                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise StatefulsetError(f"{self.path}: cannot map: {exc}") from exc
 
     def open(self) -> IO[bytes]:
         """A binary file object for streaming the whole file."""
-        if self._local is not None:
-            return open(self._local, "rb")
-        return self._fs.open(self._remote, "rb")
+        try:
+            if self._local is not None:
+                return open(self._local, "rb")
+            return self._fs.open(self._remote, "rb")
+        except OSError as exc:
+            raise StatefulsetError(f"{self.path}: cannot open: {exc}") from exc
 
     def read(self, offset: int, nbytes: int) -> bytes:
         if nbytes == 0:

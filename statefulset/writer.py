@@ -96,15 +96,23 @@ class IndexedDatasetWriter:
         self.dtype: numpy.dtype = idx_format.token_dtype(dtype)
         self.multimodal = bool(multimodal)
         folder = os.path.dirname(os.path.abspath(self.path_prefix))
-        os.makedirs(folder, exist_ok=True)
         self._folder = folder
         base = os.path.basename(self.path_prefix)
+        for ext in ("bin", "idx"):
+            if os.path.isdir(f"{self.path_prefix}.{ext}"):
+                raise StatefulsetError(f"{self.path_prefix}.{ext}: is a folder, cannot write a shard there")
         self._bin_tmp = _hidden_temp_path(folder, base, "bin")
-        self._bin = SequentialWriter(self._bin_tmp)
         self._idx_tmp: str | None = None
-        self._lengths_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
-        self._documents_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
-        self._modes_spill: IO[bytes] | None = tempfile.TemporaryFile(dir=folder) if multimodal else None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            self._bin = SequentialWriter(self._bin_tmp)
+            self._lengths_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
+            self._documents_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
+            self._modes_spill: IO[bytes] | None = tempfile.TemporaryFile(dir=folder) if multimodal else None
+        except OSError as exc:
+            if os.path.exists(self._bin_tmp):
+                os.remove(self._bin_tmp)
+            raise StatefulsetError(f"{self.path_prefix}: cannot write here: {exc}") from exc
         self._lengths: list[int] = []
         self._documents: list[int] = []
         self._modes: list[int] = []

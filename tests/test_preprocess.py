@@ -176,3 +176,13 @@ def test_input_and_tokenizer_errors(tmp_path):
         preprocess([str(bad_gz)], str(tmp_path / "o"), show_progress=False)
     with pytest.raises(StatefulsetError, match=r"token 256 .* does not fit uint8"):
         preprocess([str(source)], str(tmp_path / "o"), dtype="uint8", append_eod=True, show_progress=False)
+
+
+def test_bad_options(tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", RECORDS[:2])
+    with pytest.raises(StatefulsetError, match="lists a key twice"):
+        preprocess([str(source)], str(tmp_path / "o"), json_keys=["text", "text"], show_progress=False)
+    with pytest.raises(StatefulsetError, match="--chunk-bytes must be positive"):
+        preprocess([str(source)], str(tmp_path / "o"), chunk_bytes=0, show_progress=False)
+    with pytest.raises(StatefulsetError, match="--workers must be at least 1"):
+        preprocess([str(source)], str(tmp_path / "o"), workers=0, show_progress=False)

@@ -166,3 +166,16 @@ def test_shards_get_ordinary_file_permissions(tmp_path):
         os.umask(previous)
     for ext in ("bin", "idx"):
         assert (tmp_path / f"s.{ext}").stat().st_mode & 0o777 == 0o644
+
+
+def test_unwritable_places_are_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StatefulsetError, match=r"file/s: cannot write here"):
+        IndexedDatasetWriter(tmp_path / "file" / "s")
+    (tmp_path / "d.bin").mkdir()
+    with pytest.raises(StatefulsetError, match=r"d\.bin: is a folder"):
+        IndexedDatasetWriter(tmp_path / "d")
+    (tmp_path / "e.idx").mkdir()
+    (tmp_path / "e.bin").write_bytes(b"")
+    with pytest.raises(StatefulsetError, match=r"e\.idx: not a regular file"):
+        IndexedDataset(tmp_path / "e")
