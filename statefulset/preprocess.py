@@ -33,10 +33,13 @@ from .writer import IndexedDatasetWriter, natural_key
 
 @dataclass(frozen=True)
 class _Chunk:
+    """A run of whole lines: given as ``lines`` (decompressed input), or as a byte range of a
+    plain file that the worker reads itself, so the main process never touches the data."""
+
     path: str
-    first_line: int  # 1-based number of the chunk's first line
-    lines: list[bytes]
     nbytes: int
+    offset: int = 0
+    lines: list[bytes] | None = None
 
 
 @dataclass
@@ -50,7 +53,8 @@ class _KeyArrays:
 class _Encoded:
     documents: int
     keys: dict[str, _KeyArrays]
-    bad: list[tuple[str, int, str]]
+    bad: list[tuple[int, str]]  # (line within the chunk, 0-based; reason)
+    lines: int
     blank: int
     nbytes: int
 
@@ -99,46 +103,83 @@ def expand_inputs(inputs: Sequence[str]) -> list[str]:
     return paths
 
 
-def _open(path: str):
-    raw = open(path, "rb")  # noqa: SIM115 - closed by the caller through the wrapper
-    magic = raw.read(2)
-    raw.seek(0)
-    if path.endswith(".gz") or magic == b"\x1f\x8b":
-        return raw, gzip.GzipFile(fileobj=raw)
-    return raw, raw
+def _is_gzip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return path.endswith(".gz") or f.read(2) == b"\x1f\x8b"
 
 
 def _chunks(paths: list[str], chunk_bytes: int) -> Iterator[_Chunk]:
     for path in paths:
-        raw, stream = _open(path)
-        line = 1
         try:
-            with raw, stream:
-                position = 0
-                while True:
-                    try:
-                        lines = stream.readlines(chunk_bytes)
-                    except (OSError, EOFError, zlib.error) as exc:
-                        raise StatefulsetError(f"{path}: cannot decompress after line {line - 1}: {exc}") from exc
-                    if not lines:
-                        break
-                    now = raw.tell()
-                    yield _Chunk(path, line, lines, now - position)
-                    position = now
-                    line += len(lines)
+            if _is_gzip(path):
+                yield from _gzip_chunks(path, chunk_bytes)
+            else:
+                yield from _plain_chunks(path, chunk_bytes)
         except OSError as exc:
             raise StatefulsetError(f"{path}: cannot read: {exc}") from exc
+
+
+def _plain_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
+    """Byte ranges ending at line ends: one seek and one short readline per chunk."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        start = 0
+        while start < size:
+            f.seek(min(start + chunk_bytes, size))
+            f.readline()
+            end = min(f.tell(), size)
+            yield _Chunk(path, end - start, offset=start)
+            start = end
+
+
+def _gzip_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
+    with open(path, "rb") as raw, gzip.GzipFile(fileobj=raw) as stream:
+        position = 0
+        while True:
+            try:
+                lines = stream.readlines(chunk_bytes)
+            except (OSError, EOFError, zlib.error) as exc:
+                raise StatefulsetError(f"{path}: cannot decompress: {exc}") from exc
+            if not lines:
+                return
+            now = raw.tell()
+            yield _Chunk(path, now - position, lines=lines)
+            position = now
 
 
 # -- worker side ----------------------------------------------------------------------------
 _WORKER: dict = {}
 
 
-def _init_worker(spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool, quiet_threads: bool) -> None:
+def _init_worker(
+    spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool, dtype: numpy.dtype, quiet_threads: bool
+) -> None:
     if quiet_threads:
         # N worker processes already use the cores; the Rust tokenizer must not add threads.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tokenizer=spec.build(), keys=keys, append_eod=append_eod)
+    _WORKER.update(tokenizer=spec.build(), keys=keys, append_eod=append_eod, dtype=dtype)
+
+
+def _lines(chunk: _Chunk) -> list[bytes]:
+    if chunk.lines is not None:
+        return chunk.lines
+    with open(chunk.path, "rb") as f:
+        f.seek(chunk.offset)
+        data = f.read(chunk.nbytes)
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()  # the newline ending the last line
+    return lines
+
+
+def _narrow(tokens: numpy.ndarray, dtype: numpy.dtype) -> numpy.ndarray:
+    """Send tokens back in the shard's dtype (a quarter of int64's bytes for uint16) when they
+    fit; ones that do not fit stay wide so that the writer reports them."""
+    if dtype.kind in "iu" and tokens.size:
+        info = numpy.iinfo(dtype)
+        if tokens.min() < info.min or tokens.max() > info.max:
+            return tokens
+    return tokens.astype(dtype)
 
 
 def _texts_of(obj: object, keys: tuple[str, ...]) -> dict[str, list[str]] | str:
@@ -176,9 +217,10 @@ def _encode(chunk: _Chunk) -> _Encoded:
     tokenizer, keys = _WORKER["tokenizer"], _WORKER["keys"]
     texts: dict[str, list[str]] = {k: [] for k in keys}
     owners: dict[str, list[int]] = {k: [] for k in keys}
-    bad: list[tuple[str, int, str]] = []
+    bad: list[tuple[int, str]] = []
     blank = documents = 0
-    for number, raw in enumerate(chunk.lines, start=chunk.first_line):
+    lines = _lines(chunk)
+    for number, raw in enumerate(lines):
         if not raw.strip():
             blank += 1
             continue
@@ -187,7 +229,7 @@ def _encode(chunk: _Chunk) -> _Encoded:
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
             parsed = f"invalid JSON: {exc}"
         if isinstance(parsed, str):
-            bad.append((chunk.path, number, parsed))
+            bad.append((number, parsed))
             continue
         for key, values in parsed.items():
             texts[key] += values
@@ -198,26 +240,31 @@ def _encode(chunk: _Chunk) -> _Encoded:
     for key in keys:
         tokens, lengths = tokenizer.encode_batch(texts[key])
         owner = numpy.asarray(owners[key], dtype=numpy.int64)
-        arrays[key] = _assemble(tokens, lengths, owner, documents, eod)
-    return _Encoded(documents, arrays, bad, blank, chunk.nbytes)
+        assembled = _assemble(tokens, lengths, owner, documents, eod)
+        assembled.tokens = _narrow(assembled.tokens, _WORKER["dtype"])
+        arrays[key] = assembled
+    return _Encoded(documents, arrays, bad, len(lines), blank, chunk.nbytes)
 
 
-def _results(chunks: Iterator[_Chunk], workers: int, init_args: tuple) -> Iterator[_Encoded]:
-    """Encoded chunks in input order, with a bounded number in flight."""
+def _results(chunks: Iterator[_Chunk], workers: int, init_args: tuple) -> Iterator[tuple[_Chunk, _Encoded]]:
+    """(chunk, encoded chunk) in input order, with a bounded number in flight."""
     if workers <= 1:
         _init_worker(*init_args)
-        yield from map(_encode, chunks)
+        for chunk in chunks:
+            yield chunk, _encode(chunk)
         return
     # fork starts workers in milliseconds; elsewhere fall back to the platform's default.
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     with multiprocessing.get_context(method).Pool(workers, _init_worker, init_args) as pool:
         pending: deque = deque()
         for chunk in chunks:
-            pending.append(pool.apply_async(_encode, (chunk,)))
+            pending.append((chunk, pool.apply_async(_encode, (chunk,))))
             if len(pending) >= 2 * workers + 2:
-                yield pending.popleft().get()
+                done, result = pending.popleft()
+                yield done, result.get()
         while pending:
-            yield pending.popleft().get()
+            done, result = pending.popleft()
+            yield done, result.get()
 
 
 def preprocess(
@@ -252,16 +299,21 @@ def preprocess(
     result = PreprocessResult(outputs={k: f"{output_prefix}_{k}_document" for k in keys})
     writers = {k: IndexedDatasetWriter(p, out_dtype) for k, p in result.outputs.items()}
     progress = Progress("preprocess", sum(os.path.getsize(p) for p in paths), enabled=show_progress)
-    init_args = (spec, keys, append_eod, workers > 1)
+    init_args = (spec, keys, append_eod, out_dtype, workers > 1)
+    line_of: dict[str, int] = {}  # lines seen so far in each input, for file:line messages
     try:
-        for encoded in _results(_chunks(paths, chunk_bytes), workers, init_args):
+        for chunk, encoded in _results(_chunks(paths, chunk_bytes), workers, init_args):
+            first_line = line_of.get(chunk.path, 0) + 1
+            line_of[chunk.path] = first_line - 1 + encoded.lines
             if encoded.bad:
                 if not skip_bad_lines:
-                    path, line, reason = encoded.bad[0]
-                    raise StatefulsetError(f"{path}:{line}: {reason} (use --skip-bad-lines to skip such lines)")
+                    line, reason = encoded.bad[0]
+                    raise StatefulsetError(
+                        f"{chunk.path}:{first_line + line}: {reason} (use --skip-bad-lines to skip such lines)"
+                    )
                 result.bad_lines += len(encoded.bad)
                 room = 3 - len(result.first_bad)
-                result.first_bad += [f"{p}:{n}: {r}" for p, n, r in encoded.bad[:room]]
+                result.first_bad += [f"{chunk.path}:{first_line + n}: {r}" for n, r in encoded.bad[:room]]
             result.blank_lines += encoded.blank
             tokens = 0
             for key, arrays in encoded.keys.items():
