@@ -48,6 +48,12 @@ def _blend(value: Any) -> Blend:
     return out
 
 
+def _positive_or_none(v: int | None) -> int | None:
+    if v is not None and v <= 0:
+        raise ValueError(f"must be positive, got {v}")
+    return v
+
+
 class SplitSpec(BaseModel):
     """Data for one split when splits come from separate prefixes (Megatron's blend_per_split)."""
 
@@ -57,12 +63,7 @@ class SplitSpec(BaseModel):
 
     _blend = field_validator("data_path", mode="before")(_blend)
 
-    @field_validator("num_samples")
-    @classmethod
-    def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"must be positive, got {v}")
-        return v
+    _num_samples = field_validator("num_samples")(_positive_or_none)
 
 
 class DatasetSpec(BaseModel):
@@ -89,12 +90,7 @@ class DatasetSpec(BaseModel):
             raise ValueError(f"must be at least 2, got {v}")
         return v
 
-    @field_validator("num_samples")
-    @classmethod
-    def _num_samples(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"must be positive, got {v}")
-        return v
+    _num_samples = field_validator("num_samples")(_positive_or_none)
 
     @field_validator("split", mode="before")
     @classmethod

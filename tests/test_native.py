@@ -1,0 +1,79 @@
+"""Native packing: windows visited once per epoch, keyed orders, blend shares within their bound."""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError
+from statefulset.native import BlendSchedule, WindowSource
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    weights=st.lists(st.floats(0.01, 100), min_size=1, max_size=7),
+    n=st.integers(1, 3000),
+)
+def test_blend_is_a_bijection_onto_each_source_prefix(weights, n):
+    source, local = BlendSchedule(weights).locate(numpy.arange(n))
+    for d in range(len(weights)):
+        assert numpy.array_equal(local[source == d], numpy.arange(int((source == d).sum())))
+
+
+@settings(max_examples=150, deadline=None)
+@given(weights=st.lists(st.floats(0.01, 100), min_size=1, max_size=9), n=st.integers(1, 5000))
+def test_blend_shares_stay_within_bound_at_every_prefix(weights, n):
+    source, _ = BlendSchedule(weights).locate(numpy.arange(n))
+    shares = numpy.array(weights) / sum(weights)
+    bound = math.ceil(math.log2(len(weights))) + 1e-6 * n + 1e-9
+    for d, share in enumerate(shares):
+        counts = numpy.cumsum(source == d)
+        expected = share * numpy.arange(1, n + 1)
+        assert numpy.abs(counts - expected).max() <= bound
+
+
+def test_blend_far_positions_and_zero_weights():
+    schedule = BlendSchedule([0.0, 3.0, 1.0])
+    source, local = schedule.locate(numpy.array([10**15, 10**15 + 1, 10**15 + 2, 10**15 + 3]))
+    assert set(source.tolist()) <= {1, 2}
+    assert abs(int((local[source == 1]).min()) - 0.75 * 10**15) < 4
+    with pytest.raises(StatefulsetError, match="all weights are zero"):
+        BlendSchedule([0.0, 0.0])
+
+
+@pytest.fixture
+def shard(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "s", numpy.int32) as w:
+        for i in range(50):
+            w.add_document(numpy.arange(i * 10, i * 10 + 7 + i % 5))
+    return IndexedDataset(tmp_path / "s")
+
+
+@settings(max_examples=30, deadline=None)
+@given(seq_length=st.integers(2, 40), epochs=st.integers(1, 4), key=st.integers(0, 2**63))
+def test_each_epoch_visits_every_window_once(tmp_path_factory, seq_length, epochs, key):
+    folder = tmp_path_factory.mktemp("n")
+    with IndexedDatasetWriter(folder / "s", numpy.int32) as w:
+        for i in range(30):
+            w.add_document(numpy.arange(i * 10, i * 10 + 7 + i % 5))
+    ds = IndexedDataset(folder / "s")
+    source = WindowSource(ds, (3, 27), seq_length, key)
+    first = int(ds.sequence_pointers[3]) // 4
+    orders = []
+    for e in range(epochs):
+        starts = source.window_starts(numpy.arange(e * source.windows, (e + 1) * source.windows))
+        windows = (starts - first) // seq_length
+        assert numpy.array_equal(numpy.sort(windows), numpy.arange(source.windows))
+        orders.append(windows.tolist())
+        assert starts.max() + seq_length + 1 <= first + source.num_tokens
+    if source.windows > 3 and epochs > 1:
+        assert orders[0] != orders[1]
+
+
+def test_too_small_split(shard):
+    with pytest.raises(StatefulsetError, match="too few for one sample"):
+        WindowSource(shard, (0, 1), 64, 0)
