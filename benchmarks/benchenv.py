@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
 from importlib import metadata
 
 
@@ -50,6 +51,22 @@ def environment() -> dict[str, object]:
         "megatron-core": _version("megatron-core"),
         "statefulset": _version("statefulset"),
     }
+
+
+def git_state() -> dict[str, str]:
+    """Which code was measured: HEAD, and uncommitted changes to the library (empty when clean)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    return {"head": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "--", "statefulset")}
+
+
+def load_average() -> list[float]:
+    """1/5/15-minute load: on a 2-vCPU machine anything else running shows up in the timings."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def vm_status() -> dict[str, int]:
