@@ -153,15 +153,16 @@ def _run_ours(kind: str, tokenizer_path: str, workers: int, input_path: str, pre
     return {"seconds": t1 - t0, "docs": result.documents, "tokens": sum(result.tokens.values())}
 
 
-def _loaded_source_digest() -> str:
-    """Digest of the statefulset modules this process imported: the code under test may change between runs."""
-    digest = hashlib.sha256()
+def _loaded_sources() -> tuple[str, list[str]]:
+    """Digest and file names of the statefulset modules this process imported (the code under test)."""
+    digest, names = hashlib.sha256(), []
     for name in sorted(n for n in sys.modules if n == "statefulset" or n.startswith("statefulset.")):
         path = getattr(sys.modules[name], "__file__", None)
         if path:
+            names.append(os.path.basename(path))
             with open(path, "rb") as f:
                 digest.update(name.encode() + b"\0" + f.read())
-    return digest.hexdigest()[:12]
+    return digest.hexdigest()[:12], names
 
 
 def run_child(job: dict[str, Any]) -> None:
@@ -172,13 +173,13 @@ def run_child(job: dict[str, Any]) -> None:
 
     import statefulset.preprocess  # noqa: F401
 
-    source = _loaded_source_digest()
+    source, modules = _loaded_sources()
     side = job["side"]
     if side == SERIAL:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     run = _run_anchor if side == "anchor" else _run_ours
     result = run(job["tokenizer"], job["tokenizer_path"], job["workers"], job["input"], job["prefix"])
-    print(json.dumps({**job, **result, "source": source}))
+    print(json.dumps({**job, **result, "source": source, "modules": modules}))
 
 
 # -- parent side ----------------------------------------------------------------------------------
@@ -344,11 +345,18 @@ def _markdown(result: dict[str, Any], command: str) -> str:
     tokens = {r["tokenizer"]: r["anchor"]["tokens"] for r in rows}
     token_text = ", ".join(f"{n:,} {k} tokens" for k, n in tokens.items())
     git = result["git_before"]
-    code = f"statefulset at commit `{git.get('commit', 'unknown')[:10]}`" + (
-        " plus uncommitted changes" if git.get("dirty") else ""
-    )
+    modules = sorted({m for r in result["runs"] for m in r.get("modules", [])})
+    dirty = [line[3:].rsplit("/", 1)[-1] for line in git.get("dirty", "").splitlines()]
+    touched = [d for d in dirty if d in modules or not modules]
+    code = f"statefulset at commit `{git.get('commit', 'unknown')[:10]}`"
+    if touched:
+        code += f" plus uncommitted changes to {', '.join(touched)}"
+    elif dirty:
+        code += f" (uncommitted changes to {', '.join(dirty)}, which preprocessing does not import)"
     if len(result["sources"]) > 1:
         code += " (**warning: the package's sources changed during the run; figures mix versions**)"
+    else:
+        code += f"; every run imported the same module sources (digest `{result['sources'][0]}`)"
     lines = [
         "### Preprocessing: JSON lines to bin/idx",
         "",
@@ -410,6 +418,13 @@ def _markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
+def _write_report(result: dict[str, Any], out_dir: str) -> None:
+    text = _markdown(result, result.get("command", "python benchmarks/bench_preprocess.py"))
+    with open(os.path.join(out_dir, "preprocess.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=DEFAULT_DOCS, help=f"documents (default {DEFAULT_DOCS:,})")
@@ -427,12 +442,17 @@ def main() -> None:
     parser.add_argument(
         "--max-wait", type=float, default=1800, help="seconds to wait for an idle machine before each run"
     )
+    parser.add_argument("--render", action="store_true", help="only rebuild preprocess.md from preprocess.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         run_child(json.loads(args.child))
         return
     args.out_dir = os.path.abspath(args.out_dir)
+    if args.render:
+        with open(os.path.join(args.out_dir, "preprocess.json")) as f:
+            _write_report(json.load(f), args.out_dir)
+        return
     args.tokenizers = [t for t in args.tokenizers.split(",") if t]
     if not set(args.tokenizers) <= set(TOKENIZERS):
         parser.error(f"--tokenizers: choose from {', '.join(TOKENIZERS)}")
@@ -507,13 +527,12 @@ def main() -> None:
     }
     if args.profile:
         result["profile"] = _profile(args, str(corpus["path"]), tokenizer_path)
-    command = "python benchmarks/bench_preprocess.py" + (f" --docs {args.docs}" if args.docs != DEFAULT_DOCS else "")
-    text = _markdown(result, command)
+    result["command"] = "python benchmarks/bench_preprocess.py" + (
+        f" --docs {args.docs}" if args.docs != DEFAULT_DOCS else ""
+    )
     with open(os.path.join(args.out_dir, "preprocess.json"), "w") as f:
         json.dump(result, f, indent=2)
-    with open(os.path.join(args.out_dir, "preprocess.md"), "w") as f:
-        f.write(text + "\n")
-    print(text)
+    _write_report(result, args.out_dir)
     if not all(all(v) for v in identical.values()):
         raise SystemExit("byte-identity check FAILED")
 
