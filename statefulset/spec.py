@@ -16,19 +16,21 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from .errors import StatefulsetError
 from .split import SPLITS, parse_split
 
-Blend = list[tuple[str, float]]
+# (prefix, weight); the weight is None when none was given (one prefix, or a list of prefixes):
+# Megatron then builds a lone GPTDataset, or blends by dataset size, not by weight.
+Blend = list[tuple[str, float | None]]
 
 
 def _blend(value: Any) -> Blend:
-    """One prefix, a mapping prefix → weight (Nanotron), or ``[w1, p1, w2, p2, ...]`` (Megatron)."""
+    """One prefix, a mapping prefix → weight (Nanotron), ``[w1, p1, w2, p2, ...]`` or ``[p1, p2, ...]`` (Megatron)."""
     if isinstance(value, str):
-        pairs = [(value, 1.0)]
-    elif isinstance(value, Mapping):
+        return [_unweighted(value)]
+    if isinstance(value, list | tuple) and value and all(isinstance(v, str) for v in value):
+        return [_unweighted(v) for v in value]
+    if isinstance(value, Mapping):
         pairs = [(str(k), v) for k, v in value.items()]
     elif isinstance(value, list | tuple):
-        if len(value) == 1 and isinstance(value[0], str):
-            pairs = [(value[0], 1.0)]
-        elif len(value) % 2 or not value:
+        if len(value) % 2 or not value:
             raise ValueError("a list must alternate weights and prefixes: [w1, prefix1, w2, prefix2, ...]")
         else:
             pairs = [(value[i + 1], value[i]) for i in range(0, len(value), 2)]
@@ -46,6 +48,12 @@ def _blend(value: Any) -> Blend:
     if sum(w for _, w in out) <= 0:
         raise ValueError("all weights are zero")
     return out
+
+
+def _unweighted(prefix: str) -> tuple[str, None]:
+    if not prefix:
+        raise ValueError("a prefix is an empty string")
+    return (prefix, None)
 
 
 def _positive_or_none(v: int | None) -> int | None:

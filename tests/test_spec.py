@@ -31,12 +31,12 @@ def write_yaml(folder, content) -> str:
 def test_three_forms_of_data_path_and_relative_paths(shards):
     root = shards / "data"
     one = load_spec(write_yaml(shards, {"data_path": "data/a", "seq_length": 16}))
-    assert one.data_path == [(str(root / "a"), 1.0)]
+    assert one.data_path == [(str(root / "a"), None)]
     nanotron = load_spec(write_yaml(shards, {"data_path": {"data/a": 0.7, "data/b": 0.3}, "seq_length": 16}))
     megatron = load_spec(write_yaml(shards, {"data_path": [0.7, "data/a", 0.3, "data/b"], "seq_length": 16}))
     assert nanotron.data_path == megatron.data_path == [(str(root / "a"), 0.7), (str(root / "b"), 0.3)]
     as_dict = load_spec({"data_path": str(root / "a"), "seq_length": 16, "packing": "native"})
-    assert as_dict.packing == "native" and as_dict.blend_for("test") == ([(str(root / "a"), 1.0)], None)
+    assert as_dict.packing == "native" and as_dict.blend_for("test") == ([(str(root / "a"), None)], None)
 
 
 def test_per_split_sections(shards):

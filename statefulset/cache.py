@@ -1,0 +1,232 @@
+"""Where derived indices live: a content-keyed, crash-safe, concurrency-safe cache of numpy arrays.
+
+megatron-core keys its cache by the prefix *string*, so a re-tokenised corpus silently reuses
+stale indices, and it relies on "global rank 0 builds, everyone waits at a barrier", which breaks
+without a shared filesystem. Here:
+
+- the key hashes everything the arrays depend on, including each shard's *content* digest
+  (of its ``.idx``: the indices depend on sequence lengths only, and those live there);
+- every process may build: an ``flock`` makes concurrent builders on one filesystem wait for
+  the first, and on separate filesystems (one per node) each node builds its own copy;
+- an entry appears atomically (a folder written under a temporary name, then renamed), so a
+  crash mid-build leaves nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy
+
+from .errors import StatefulsetError
+
+logger = logging.getLogger("statefulset")
+
+CACHE_VERSION = 1
+# Entries this process built (not loaded), by kind: what tests and logs use to see who built.
+builds: dict[str, int] = {}
+_DIGEST_CHUNK = 1 << 24
+
+
+def description_key(description: dict[str, Any]) -> str:
+    text = json.dumps({"cache_version": CACHE_VERSION, **description}, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+# -- shard identity -------------------------------------------------------------------------------
+def _file_token(path: str) -> tuple[str, str] | None:
+    """A cheap fingerprint of a file *version* (path, size, mtime, inode), or None if unavailable."""
+    if "://" in path:
+        try:
+            import fsspec
+
+            fs, fs_path = fsspec.core.url_to_fs(path)
+            return path, str(fs.ukey(fs_path))
+        except (ImportError, OSError, ValueError, NotImplementedError):
+            return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    return real, f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
+
+
+def _hash_file(path: str) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    if "://" in path:
+        import fsspec
+
+        opener = fsspec.open(path, "rb")
+    else:
+        opener = open(path, "rb")  # noqa: SIM115 - closed by the with below
+    with opener as f:
+        while chunk := f.read(_DIGEST_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _default_memo_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "statefulset", "digests")
+
+
+def shard_digest(prefix: str, memo_dir: str | None = None) -> str:
+    """Content digest of ``prefix.idx``, hashed once per file version and remembered by (path, size, mtime, inode)."""
+    path = prefix + ".idx"
+    token = _file_token(path)
+    memo_dir = memo_dir or _default_memo_dir()
+    memo = None
+    if token is not None:
+        memo = os.path.join(memo_dir, hashlib.blake2b(token[0].encode(), digest_size=16).hexdigest() + ".json")
+        with contextlib.suppress(OSError, ValueError):
+            with open(memo, encoding="utf-8") as f:
+                saved = json.load(f)
+            if saved.get("version") == token[1] and isinstance(saved.get("digest"), str):
+                return saved["digest"]
+    try:
+        digest = _hash_file(path)
+    except OSError as exc:
+        raise StatefulsetError(f"{path}: cannot read to identify the shard: {exc}") from exc
+    if memo is not None:
+        with contextlib.suppress(OSError):
+            _write_atomic(memo, json.dumps({"path": token[0], "version": token[1], "digest": digest}).encode())
+    return digest
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# -- the array cache ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """An exclusive flock, released by the kernel if the holder dies; no lock where flock is unsupported."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        yield
+    finally:
+        os.close(fd)
+
+
+class IndexCache:
+    """Arrays keyed by a description; ``root=None`` keeps everything in memory."""
+
+    def __init__(self, root: str | None) -> None:
+        self.root = root
+
+    def entry_path(self, kind: str, description: dict[str, Any]) -> str | None:
+        if self.root is None:
+            return None
+        return os.path.join(self.root, f"{kind}-{description_key(description)}")
+
+    def get_or_build(
+        self, kind: str, description: dict[str, Any], build: Callable[[], dict[str, numpy.ndarray]]
+    ) -> dict[str, numpy.ndarray]:
+        """The cached arrays (memory-mapped) or, on a miss, ``build()``'s, stored for next time."""
+        path = self.entry_path(kind, description)
+        if path is None:
+            return build()
+        found = self._load(path, description)
+        if found is not None:
+            return found
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            logger.warning("statefulset: cannot create cache folder %s (%s); building in memory", self.root, exc)
+            return build()
+        with _locked(path + ".lock"):
+            found = self._load(path, description)  # another process may have finished while we waited
+            if found is not None:
+                return found
+            arrays = build()
+            builds[kind] = builds.get(kind, 0) + 1
+            logger.info("statefulset: built %s indices into %s", kind, path)
+            try:
+                self._store(path, description, arrays)
+            except OSError as exc:
+                logger.warning("statefulset: cannot write cache entry %s (%s); using it from memory", path, exc)
+                return arrays
+        loaded = self._load(path, description)
+        return arrays if loaded is None else loaded
+
+    @staticmethod
+    def _load(path: str, description: dict[str, Any]) -> dict[str, numpy.ndarray] | None:
+        manifest = os.path.join(path, "description.json")
+        if not os.path.exists(manifest):
+            return None
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                saved = json.load(f)
+            arrays = {name: numpy.load(os.path.join(path, name + ".npy"), mmap_mode="r") for name in saved["arrays"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise StatefulsetError(f"{path}: cache entry is damaged ({exc}); delete the folder to rebuild it") from exc
+        if saved.get("description") != json.loads(json.dumps(description)):
+            raise StatefulsetError(f"{path}: cache entry describes other data (hash collision?); delete it")
+        for name, shape in saved["arrays"].items():
+            if list(arrays[name].shape) != shape:
+                raise StatefulsetError(f"{path}/{name}.npy: shape {arrays[name].shape}, expected {tuple(shape)}")
+        return arrays
+
+    @staticmethod
+    def _store(path: str, description: dict[str, Any], arrays: dict[str, numpy.ndarray]) -> None:
+        parent = os.path.dirname(path)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-" + os.path.basename(path) + "-")
+        try:
+            for name, array in arrays.items():
+                with open(os.path.join(tmp, name + ".npy"), "wb") as f:
+                    numpy.save(f, numpy.ascontiguousarray(array), allow_pickle=False)
+                    f.flush()
+                    os.fsync(f.fileno())
+            manifest = {
+                "description": description,
+                "arrays": {name: list(array.shape) for name, array in arrays.items()},
+            }
+            with open(os.path.join(tmp, "description.json"), "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o777 & ~_umask())
+            try:
+                os.rename(tmp, path)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # someone else's complete entry won the race
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,296 @@
+"""The deterministic sample stream of a spec's split: ``stream[p]`` is a pure function of (spec, p).
+
+``open_stream(spec, split)`` reads the spec, opens the shards and returns a ``SampleStream``:
+
+- ``packing: megatron`` is megatron-core 0.16's GPTDataset, or BlendedDataset over GPTDatasets,
+  sample for sample (indices from :mod:`statefulset.sampling` and :mod:`statefulset.blending`,
+  kept in the content-keyed :mod:`statefulset.cache`). It has ``len(stream)`` samples.
+- ``packing: native`` computes every sample from its position (:mod:`statefulset.native`):
+  no index, O(1) memory, any position ``p >= 0``; ``len(stream)`` is one pass over the windows.
+
+``stream.gather(positions)`` is the hot path: ``[B, seq_length + 1]`` int64 assembled with one
+vectorised plan of token ranges per source and one copy per range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy
+
+from . import blending
+from .cache import IndexCache, shard_digest
+from .errors import SequenceIndexError, StatefulsetError
+from .indexed import IndexedDataset
+from .native import BlendSchedule, WindowSource
+from .permutation import derive_key
+from .sampling import build_gpt_indices
+from .spec import DatasetSpec, load_spec
+from .split import SPLITS, parse_split, split_matrix, split_range
+
+# Megatron's add_extra_token_to_sequence: a sample holds seq_length + 1 tokens.
+EXTRA = 1
+
+
+class SampleStream:
+    """Packed samples of ``seq_length + 1`` tokens at integer positions."""
+
+    def __init__(self, spec: DatasetSpec, split: str, fingerprint: str, length: int, unbounded: bool) -> None:
+        self.spec = spec
+        self.split = split
+        self.seq_length = spec.seq_length
+        self.packing = spec.packing
+        self.fingerprint = fingerprint
+        self._length = length
+        self.unbounded = unbounded  # native: every p >= 0 is a sample; megatron: p < len(stream)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        try:
+            p = int(position)
+        except TypeError:
+            raise TypeError(f"stream positions are ints, not {type(position).__name__}") from None
+        return {"text": self.gather(numpy.array([p], dtype=numpy.int64))[0], "sample_id": p}
+
+    def gather(self, positions: Any, out: numpy.ndarray | None = None) -> numpy.ndarray:
+        """The samples at ``positions`` as one int64 array ``[len(positions), seq_length + 1]``."""
+        p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
+        if p.size and (int(p.min()) < 0 or (not self.unbounded and int(p.max()) >= self._length)):
+            bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
+            raise SequenceIndexError(
+                f"{self.split} stream: position {bad} is outside [0, {self._length})"
+                + ("" if self.unbounded else " (megatron packing builds a finite stream; raise num_samples)")
+            )
+        width = self.seq_length + EXTRA
+        if out is None:
+            out = numpy.empty((p.size, width), dtype=numpy.int64)
+        elif out.shape != (p.size, width) or out.dtype != numpy.int64 or not out.flags.c_contiguous:
+            raise StatefulsetError(f"gather: out must be C-contiguous int64 {(p.size, width)}, got {out.shape}")
+        if p.size:
+            self._fill(p, out)
+        return out
+
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        size = "unbounded" if self.unbounded else f"{self._length} samples"
+        return f"{type(self).__name__}({self.split}, seq_length={self.seq_length}, {size})"
+
+
+def _fill_by_source(which: numpy.ndarray, local: numpy.ndarray, out: numpy.ndarray, sources: list[Any]) -> None:
+    """Rows of ``out`` from several sources: each source gathers its rows in one call."""
+    present = numpy.unique(which)
+    if present.size == 1:
+        sources[int(present[0])].fill(local, out)
+        return
+    for d in present.tolist():
+        rows = numpy.flatnonzero(which == d)
+        block = numpy.empty((rows.size, out.shape[1]), dtype=numpy.int64)
+        sources[d].fill(local[rows], block)
+        out[rows] = block
+
+
+# -- megatron packing -----------------------------------------------------------------------------
+class GPTSource:
+    """One megatron-core GPTDataset: a prefix's split with its three index arrays."""
+
+    def __init__(self, dataset: IndexedDataset, arrays: dict[str, numpy.ndarray], seq_length: int) -> None:
+        self.dataset = dataset
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        self.seq_length = seq_length
+        self._lengths = dataset.sequence_lengths
+        self._first_tokens = dataset.sequence_pointers // dataset.dtype.itemsize
+
+    def __len__(self) -> int:
+        return int(self.sample_index.shape[0]) - 1
+
+    def fill(self, local: numpy.ndarray, out: numpy.ndarray) -> None:
+        k = self.shuffle_index[local].astype(numpy.int64)
+        begin = self.sample_index[k].astype(numpy.int64)
+        end = self.sample_index[k + 1].astype(numpy.int64)
+        pieces = end[:, 0] - begin[:, 0] + 1
+        if int(pieces.max()) == 1:  # every sample inside one sequence: no expansion needed
+            seq = self.document_index[begin[:, 0]]
+            starts = self._first_tokens[seq] + begin[:, 1]
+            lengths = end[:, 1] + EXTRA - begin[:, 1]
+        else:
+            # Piece r of sample b is document_index[begin_b + r]; the first starts at the sample's
+            # offset, the last ends one token past the next sample's offset (the shared token).
+            total = int(pieces.sum())
+            first_piece = numpy.cumsum(pieces) - pieces
+            rel = numpy.arange(total, dtype=numpy.int64) - numpy.repeat(first_piece, pieces)
+            row = numpy.repeat(begin[:, 0], pieces) + rel
+            seq = self.document_index[row]
+            lo = numpy.where(rel == 0, numpy.repeat(begin[:, 1], pieces), 0)
+            last = row == numpy.repeat(end[:, 0], pieces)
+            hi = numpy.where(last, numpy.repeat(end[:, 1] + EXTRA, pieces), self._lengths[seq])
+            starts = self._first_tokens[seq] + lo
+            lengths = hi - lo
+        self.dataset.gather(starts, lengths, out.reshape(-1))
+
+
+class MegatronStream(SampleStream):
+    """GPTDataset, or BlendedDataset over GPTDatasets, exactly as megatron-core 0.16 builds them."""
+
+    def __init__(self, spec, split, fingerprint, sources: list[GPTSource], blend: dict[str, numpy.ndarray] | None):
+        length = len(sources[0]) if blend is None else int(blend["dataset_index"].shape[0])
+        super().__init__(spec, split, fingerprint, length, unbounded=False)
+        self.sources = sources
+        self.blend = blend
+
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+        if self.blend is None:
+            self.sources[0].fill(positions, out)
+            return
+        which = self.blend["dataset_index"][positions].astype(numpy.int64)
+        local = self.blend["dataset_sample_index"][positions].astype(numpy.int64)
+        _fill_by_source(which, local, out, self.sources)
+
+
+# -- native packing -------------------------------------------------------------------------------
+class _WindowFiller:
+    def __init__(self, source: WindowSource) -> None:
+        self.source = source
+
+    def fill(self, local: numpy.ndarray, out: numpy.ndarray) -> None:
+        starts = self.source.window_starts(local)
+        lengths = numpy.full(starts.shape, out.shape[1], dtype=numpy.int64)
+        self.source.dataset.gather(starts, lengths, out.reshape(-1))
+
+
+class NativeStream(SampleStream):
+    """Keyed windows of each source, blended position by position; nothing is built or stored."""
+
+    def __init__(self, spec, split, fingerprint, sources: list[WindowSource], weights: list[float]):
+        super().__init__(spec, split, fingerprint, sum(s.windows for s in sources), unbounded=True)
+        self.sources = sources
+        self.weights = weights
+        self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
+        self._fillers = [_WindowFiller(s) for s in sources]
+
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+        if self.schedule is None:
+            self._fillers[0].fill(positions, out)
+            return
+        which, local = self.schedule.locate(positions)
+        _fill_by_source(which, local, out, self._fillers)
+
+
+# -- opening a stream from a spec -----------------------------------------------------------------
+def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], split: str = "train") -> SampleStream:
+    """The stream of ``split`` ("train", "valid" or "test") described by ``spec``."""
+    if split not in SPLITS:
+        raise StatefulsetError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not isinstance(spec, DatasetSpec):
+        spec = load_spec(spec)
+    selected = spec.blend_for(split)
+    if selected is None:
+        raise StatefulsetError(f"spec: the {split} split is empty (split: {spec.split!r}, no {split}: section)")
+    blend, num_samples = selected
+    live = [(prefix, weight) for prefix, weight in blend if weight is None or weight > 0]
+    weighted = live[0][1] is not None
+    per_split = spec.data_path is None
+    if per_split:
+        bookends: tuple[float, float] = (0.0, 1.0)
+    else:
+        bookends = split_matrix(parse_split(spec.split))[SPLITS.index(split)]
+    cache = IndexCache(spec.path_to_cache)
+    memo = os.path.join(spec.path_to_cache, "digests") if spec.path_to_cache else None
+    datasets, ranges, digests = [], [], []
+    for prefix, _ in live:
+        try:
+            dataset = IndexedDataset(prefix)
+        except StatefulsetError as exc:
+            raise StatefulsetError(f"spec: key 'data_path': {exc}") from exc
+        lo_hi = split_range(bookends, len(dataset))
+        if lo_hi is None or lo_hi[1] <= lo_hi[0]:
+            raise StatefulsetError(
+                f"{prefix}: the {split} split of split {spec.split!r} holds no sequences of its {len(dataset)}"
+            )
+        datasets.append(dataset)
+        ranges.append(lo_hi)
+        digests.append(shard_digest(prefix, memo))
+    identity = {
+        "packing": spec.packing,
+        "split": split,
+        "split_ratios": None if per_split else spec.split,
+        "seq_length": spec.seq_length,
+        "seed": spec.seed,
+        "num_samples": num_samples if spec.packing == "megatron" else None,
+        "sources": [
+            {"idx_digest": d, "sequences": list(r), "weight": w}
+            for d, r, (_, w) in zip(digests, ranges, live, strict=True)
+        ],
+    }
+    fingerprint = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
+    if spec.packing == "native":
+        sources = [
+            WindowSource(ds, r, spec.seq_length, derive_key(spec.seed, i, SPLITS.index(split)))
+            for i, (ds, r) in enumerate(zip(datasets, ranges, strict=True))
+        ]
+        weights = [float(w) for _, w in live] if weighted else [float(s.windows) for s in sources]
+        return NativeStream(spec, split, fingerprint, sources, weights)
+
+    def gpt(i: int, samples: int | None) -> tuple[GPTSource, dict[str, Any]]:
+        ds, (lo, hi) = datasets[i], ranges[i]
+        description = {
+            "kind": "GPTDataset",
+            "megatron_core": "0.16",
+            "idx_digest": digests[i],
+            "sequences": [lo, hi],
+            "seed": spec.seed,
+            "seq_length": spec.seq_length,
+            "num_samples": samples,
+            "extra_token": EXTRA,
+            "drop_last_partial": True,
+        }
+
+        def build() -> dict[str, numpy.ndarray]:
+            indices = build_gpt_indices(
+                ds.sequence_lengths,
+                numpy.arange(lo, hi, dtype=numpy.int32),
+                spec.seq_length,
+                spec.seed,
+                samples,
+                where=ds.path_prefix,
+            )
+            return {
+                "document_index": indices.document_index,
+                "sample_index": indices.sample_index,
+                "shuffle_index": indices.shuffle_index,
+            }
+
+        return GPTSource(ds, cache.get_or_build("GPTDataset", description, build), spec.seq_length), description
+
+    if len(live) == 1 and (not weighted or per_split):
+        # megatron-core builds a lone GPTDataset here, with no surplus and no blend.
+        return MegatronStream(spec, split, fingerprint, [gpt(0, num_samples)[0]], None)
+    if weighted and num_samples is None:
+        if split == "train":
+            raise StatefulsetError(
+                "spec: key 'num_samples': a weighted blend with packing: megatron needs num_samples "
+                "(megatron-core sizes each part of the blend from it); set it, or use packing: native"
+            )
+        weighted = False  # valid/test without a size: every source once, blended by size
+    plan = blending.plan_blend([w for _, w in live] if weighted else None, num_samples, count=len(live))
+    built = [gpt(i, plan.build_sizes[i]) for i in range(len(live))]
+    sources = [source for source, _ in built]
+    weights, size = plan.blend_weights([len(s) for s in sources])
+    description = {
+        "kind": "BlendedDataset",
+        "datasets": [d for _, d in built],
+        "weights": weights,
+        "size": size,
+    }
+    arrays = cache.get_or_build("BlendedDataset", description, lambda: blending.blend_indices(weights, size))
+    blending.check_budgets(arrays["dataset_index"], [len(s) for s in sources], [p for p, _ in live], split)
+    return MegatronStream(spec, split, fingerprint, sources, arrays)

@@ -1,0 +1,148 @@
+"""The index cache: content-keyed, one correct entry from concurrent builders, nothing from a crash."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy
+import pytest
+
+from statefulset import IndexedDatasetWriter, StatefulsetError
+from statefulset import cache as cache_module
+from statefulset.cache import IndexCache, shard_digest
+from statefulset.stream import open_stream
+
+
+def write_shard(prefix, seed, docs=400):
+    rng = numpy.random.default_rng(seed)
+    with IndexedDatasetWriter(prefix, numpy.uint16) as w:
+        for _ in range(docs):
+            w.add_document(rng.integers(0, 60000, int(rng.geometric(1 / 80))))
+
+
+@pytest.fixture
+def spec(tmp_path):
+    write_shard(str(tmp_path / "a"), 1)
+    write_shard(str(tmp_path / "b"), 2)
+    return {
+        "data_path": {str(tmp_path / "a"): 0.3, str(tmp_path / "b"): 0.7},
+        "seq_length": 32,
+        "num_samples": 20_000,
+        "path_to_cache": str(tmp_path / "cache"),
+    }
+
+
+def entries(root):
+    return sorted(n for n in os.listdir(root) if not n.endswith(".lock") and n != "digests")
+
+
+def test_second_open_loads_the_cached_arrays(spec):
+    first = open_stream(spec)
+    before = dict(cache_module.builds)
+    second = open_stream(spec)
+    assert cache_module.builds == before  # nothing rebuilt
+    assert isinstance(second.sources[0].document_index, numpy.memmap)
+    numpy.testing.assert_array_equal(first.gather(numpy.arange(500)), second.gather(numpy.arange(500)))
+    names = entries(spec["path_to_cache"])
+    assert [n.split("-")[0] for n in names] == ["BlendedDataset", "GPTDataset", "GPTDataset"]
+    with open(os.path.join(spec["path_to_cache"], names[0], "description.json")) as f:
+        assert json.load(f)["description"]["size"] == len(first)
+
+
+def test_retokenised_shard_never_reuses_stale_indices(spec, tmp_path):
+    old = open_stream(spec).gather(numpy.arange(300))
+    write_shard(str(tmp_path / "a"), 99)  # same prefix, new content: megatron-core would reuse its cache
+    fresh = open_stream(spec)
+    uncached = open_stream({**spec, "path_to_cache": None})
+    numpy.testing.assert_array_equal(fresh.gather(numpy.arange(300)), uncached.gather(numpy.arange(300)))
+    assert not numpy.array_equal(old, fresh.gather(numpy.arange(300)))
+    assert len(entries(spec["path_to_cache"])) == 5  # one GPTDataset and the blend are new
+
+
+def test_digest_is_remembered_per_file_version(tmp_path):
+    write_shard(str(tmp_path / "s"), 3)
+    memo = str(tmp_path / "memo")
+    first = shard_digest(str(tmp_path / "s"), memo)
+    assert shard_digest(str(tmp_path / "s"), memo) == first
+    assert len(os.listdir(memo)) == 1
+    write_shard(str(tmp_path / "s"), 4)
+    assert shard_digest(str(tmp_path / "s"), memo) != first
+
+
+CHILD = textwrap.dedent(
+    """
+    import hashlib, json, sys, time
+    import numpy
+    from statefulset import cache
+    from statefulset.stream import open_stream
+    spec = json.loads(sys.argv[1])
+    while time.time() < float(sys.argv[2]):  # start together
+        time.sleep(0.001)
+    stream = open_stream(spec)
+    rows = stream.gather(numpy.arange(len(stream)))
+    print(json.dumps({"builds": cache.builds, "digest": hashlib.sha256(rows.tobytes()).hexdigest()}))
+    """
+)
+
+
+def test_concurrent_builders_make_one_correct_cache(spec):
+    import time
+
+    start = time.time() + 3
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, json.dumps(spec), str(start)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
+    results = []
+    for child in children:
+        out, _ = child.communicate(timeout=120)
+        assert child.returncode == 0
+        results.append(json.loads(out))
+    expected = open_stream({**spec, "path_to_cache": None})
+    digest = __import__("hashlib").sha256(expected.gather(numpy.arange(len(expected))).tobytes()).hexdigest()
+    assert {r["digest"] for r in results} == {digest}
+    # The lock lets exactly one process build each entry; the others load it.
+    assert sum(r["builds"].get("GPTDataset", 0) for r in results) == 2
+    assert sum(r["builds"].get("BlendedDataset", 0) for r in results) == 1
+    assert len(entries(spec["path_to_cache"])) == 3
+    assert not [n for n in os.listdir(spec["path_to_cache"]) if n.startswith(".tmp")]
+
+
+def test_crash_mid_build_leaves_nothing_that_loads(tmp_path):
+    cache = IndexCache(str(tmp_path / "c"))
+
+    def exploding():
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        cache.get_or_build("GPTDataset", {"x": 1}, exploding)
+    assert entries(str(tmp_path / "c")) == []
+    arrays = cache.get_or_build("GPTDataset", {"x": 1}, lambda: {"a": numpy.arange(5)})
+    numpy.testing.assert_array_equal(arrays["a"], numpy.arange(5))
+
+
+def test_damaged_entry_is_named(tmp_path):
+    cache = IndexCache(str(tmp_path / "c"))
+    cache.get_or_build("GPTDataset", {"x": 1}, lambda: {"a": numpy.arange(5)})
+    path = cache.entry_path("GPTDataset", {"x": 1})
+    with open(os.path.join(path, "a.npy"), "r+b") as f:
+        f.truncate(20)
+    with pytest.raises(StatefulsetError, match=r"GPTDataset-.*damaged"):
+        cache.get_or_build("GPTDataset", {"x": 1}, lambda: {"a": numpy.arange(5)})
+
+
+def test_read_only_cache_folder_still_works(spec, tmp_path):
+    open_stream(spec)
+    os.chmod(spec["path_to_cache"], 0o555)
+    try:
+        if os.access(spec["path_to_cache"], os.W_OK):
+            pytest.skip("running as a user who can write anywhere")
+        assert len(open_stream(spec)) > 0
+    finally:
+        os.chmod(spec["path_to_cache"], 0o755)
