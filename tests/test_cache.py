@@ -94,9 +94,7 @@ def test_concurrent_builders_make_one_correct_cache(spec):
 
     start = time.time() + 3
     children = [
-        subprocess.Popen(
-            [sys.executable, "-c", CHILD, json.dumps(spec), str(start)], stdout=subprocess.PIPE, text=True
-        )
+        subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(spec), str(start)], stdout=subprocess.PIPE, text=True)
         for _ in range(4)
     ]
     results = []
