@@ -39,17 +39,25 @@ EXTRA = 1
 class SampleStream:
     """Packed samples of ``seq_length + 1`` tokens at integer positions."""
 
-    def __init__(self, spec: DatasetSpec, split: str, fingerprint: str, length: int, unbounded: bool) -> None:
+    def __init__(self, spec: DatasetSpec, split: str, identity: dict[str, Any], length: int, unbounded: bool) -> None:
         self.spec = spec
         self.split = split
         self.seq_length = spec.seq_length
         self.packing = spec.packing
-        self.fingerprint = fingerprint
+        # What the samples depend on, field by field (so a state that does not fit can say which);
+        # "data" digests every source's .idx content, split range and weight.
+        self.identity = identity
+        self.fingerprint = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
         self._length = length
         self.unbounded = unbounded  # native: every p >= 0 is a sample; megatron: p < len(stream)
 
     def __len__(self) -> int:
         return self._length
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Workers started with spawn/forkserver reopen the stream (cached indices are mmapped)
+        # instead of receiving pickled index arrays.
+        return (open_stream, (self.spec, self.split))
 
     def __getitem__(self, position: int) -> dict[str, Any]:
         try:
@@ -141,9 +149,9 @@ class GPTSource:
 class MegatronStream(SampleStream):
     """GPTDataset, or BlendedDataset over GPTDatasets, exactly as megatron-core 0.16 builds them."""
 
-    def __init__(self, spec, split, fingerprint, sources: list[GPTSource], blend: dict[str, numpy.ndarray] | None):
+    def __init__(self, spec, split, identity, sources: list[GPTSource], blend: dict[str, numpy.ndarray] | None):
         length = len(sources[0]) if blend is None else int(blend["dataset_index"].shape[0])
-        super().__init__(spec, split, fingerprint, length, unbounded=False)
+        super().__init__(spec, split, identity, length, unbounded=False)
         self.sources = sources
         self.blend = blend
 
@@ -170,8 +178,8 @@ class _WindowFiller:
 class NativeStream(SampleStream):
     """Keyed windows of each source, blended position by position; nothing is built or stored."""
 
-    def __init__(self, spec, split, fingerprint, sources: list[WindowSource], weights: list[float]):
-        super().__init__(spec, split, fingerprint, sum(s.windows for s in sources), unbounded=True)
+    def __init__(self, spec, split, identity, sources: list[WindowSource], weights: list[float]):
+        super().__init__(spec, split, identity, sum(s.windows for s in sources), unbounded=True)
         self.sources = sources
         self.weights = weights
         self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
@@ -226,19 +234,21 @@ def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], 
         "seq_length": spec.seq_length,
         "seed": spec.seed,
         "num_samples": num_samples if spec.packing == "megatron" else None,
-        "sources": [
+    }
+    sources_text = json.dumps(
+        [
             {"idx_digest": d, "sequences": list(r), "weight": w}
             for d, r, (_, w) in zip(digests, ranges, live, strict=True)
-        ],
-    }
-    fingerprint = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
+        ]
+    )
+    identity["data"] = hashlib.blake2b(sources_text.encode(), digest_size=12).hexdigest()
     if spec.packing == "native":
         sources = [
             WindowSource(ds, r, spec.seq_length, derive_key(spec.seed, i, SPLITS.index(split)))
             for i, (ds, r) in enumerate(zip(datasets, ranges, strict=True))
         ]
         weights = [float(w) for _, w in live] if weighted else [float(s.windows) for s in sources]
-        return NativeStream(spec, split, fingerprint, sources, weights)
+        return NativeStream(spec, split, identity, sources, weights)
 
     def gpt(i: int, samples: int | None) -> tuple[GPTSource, dict[str, Any]]:
         ds, (lo, hi) = datasets[i], ranges[i]
@@ -273,7 +283,7 @@ def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], 
 
     if len(live) == 1 and (not weighted or per_split):
         # megatron-core builds a lone GPTDataset here, with no surplus and no blend.
-        return MegatronStream(spec, split, fingerprint, [gpt(0, num_samples)[0]], None)
+        return MegatronStream(spec, split, identity, [gpt(0, num_samples)[0]], None)
     if weighted and num_samples is None:
         if split == "train":
             raise StatefulsetError(
@@ -293,4 +303,4 @@ def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], 
     }
     arrays = cache.get_or_build("BlendedDataset", description, lambda: blending.blend_indices(weights, size))
     blending.check_budgets(arrays["dataset_index"], [len(s) for s in sources], [p for p, _ in live], split)
-    return MegatronStream(spec, split, fingerprint, sources, arrays)
+    return MegatronStream(spec, split, identity, sources, arrays)
