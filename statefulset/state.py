@@ -195,8 +195,10 @@ def decode(data: bytes) -> Any:
     """Bytes from :func:`encode` back to the state; damaged bytes raise ``StatefulsetError``."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise StatefulsetError(f"state bytes expected, got {type(data).__name__}")
+    if len(data) > 1 << 20:
+        raise StatefulsetError(f"state bytes: {len(data)} bytes is far more than any loader state")
     try:
-        value = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_buffer_size=1 << 20)
+        value = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise StatefulsetError(f"state bytes are not a msgpack state: {exc}") from None
     if isinstance(value, list):
