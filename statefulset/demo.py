@@ -12,11 +12,16 @@ import time
 from collections.abc import Callable
 
 import numpy
+import yaml
 
+from .datasets import get_train_dataset
 from .indexed import IndexedDataset
 from .inspection import inspect_shard
+from .loader import get_savable_loader
 from .preprocess import preprocess
+from .stream import open_stream
 from .tokenization import ByteTokenizer
+from .workers import WorkerConfig
 from .writer import find_prefixes, merge_datasets
 
 _WORDS = (
@@ -64,26 +69,26 @@ def run_demo(folder: str = "statefulset-demo", documents: int = 6000, say: Calla
     checks: list[tuple[str, bool]] = []
     raw = os.path.join(folder, "raw")
     shards = os.path.join(folder, "shards")
-    say(f"[1/5] generating the built-in corpus: {documents:,} documents in {raw}")
+    say(f"[1/7] generating the built-in corpus: {documents:,} documents in {raw}")
     inputs = write_demo_corpus(raw, documents)
 
-    say("[2/5] statefulset preprocess (byte-level tokenizer, --append-eod, --workers 2), one shard per part")
+    say("[2/7] statefulset preprocess (byte-level tokenizer, --append-eod, --workers 2), one shard per part")
     for path in inputs:
         name = os.path.basename(path).split(".")[0]
         result = preprocess([path], os.path.join(shards, name), append_eod=True, workers=2, show_progress=False)
         say("      " + result.summary().splitlines()[0])
 
-    say("[3/5] statefulset merge, natural order (part_1, part_2, part_10)")
+    say("[3/7] statefulset merge, natural order (part_1, part_2, part_10)")
     parts = find_prefixes(shards)
     say("      " + " + ".join(os.path.basename(p) for p in parts))
     corpus = merge_datasets(parts, os.path.join(folder, "corpus_text_document"))
 
-    say("[4/5] statefulset inspect")
+    say("[4/7] statefulset inspect")
     report = inspect_shard(corpus.path_prefix, vocab_size=ByteTokenizer.vocab_size)
     say("\n".join("      " + line for line in report.text().splitlines()))
     checks.append(("inspect: valid, token ids inside the vocabulary", report.valid))
 
-    say("[5/5] reading it back")
+    say("[5/7] reading it back")
     tokenizer = ByteTokenizer()
     expected = generate_documents(documents)
     decoded_ok = len(corpus) == documents and all(
@@ -102,6 +107,12 @@ def run_demo(folder: str = "statefulset-demo", documents: int = 6000, say: Calla
     )
     say(f"      sample document {int(picks[0])}: {tokenizer.decode(corpus[int(picks[0])])[:72]!r}...")
 
+    say("[6/7] sample streams from YAML specs: the same blend in both packings")
+    checks += _streams(folder, parts, tokenizer, say)
+
+    say("[7/7] simulated data-parallel training: save mid-way, restore into fresh loaders, compare")
+    checks += _training(os.path.join(folder, "native.yaml"), say)
+
     for name, ok in checks:
         say(f"      {'ok  ' if ok else 'FAIL'} {name}")
     passed = all(ok for _, ok in checks)
@@ -110,3 +121,82 @@ def run_demo(folder: str = "statefulset-demo", documents: int = 6000, say: Calla
     passed_count = sum(ok for _, ok in checks)
     say(f"demo: {verdict}: {passed_count}/{len(checks)} checks in {seconds:.1f} s; files in {folder}")
     return passed
+
+
+def _streams(folder: str, parts: list[str], tokenizer: ByteTokenizer, say: Callable[[str], None]) -> list:
+    blend = {os.path.relpath(p, folder): w for p, w in zip(parts, (0.5, 0.3, 0.2), strict=True)}
+    common = {"data_path": blend, "seq_length": 128, "split": "98,2,0", "seed": 1234}
+    specs = {
+        "megatron": {**common, "packing": "megatron", "num_samples": 4000, "path_to_cache": "cache"},
+        "native": {**common, "packing": "native"},
+    }
+    checks = []
+    for packing, spec in specs.items():
+        path = os.path.join(folder, f"{packing}.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(spec, f, sort_keys=False)
+        start = time.perf_counter()
+        stream = open_stream(path)
+        opened = time.perf_counter() - start
+        size = "unbounded (any position)" if stream.unbounded else f"{len(stream):,} samples"
+        say(f"      {path}: packing {packing}, {size}, opened in {opened * 1000:.1f} ms")
+        for p in (0, 1):
+            say(f"        sample {p}: {tokenizer.decode(stream[p]['text'][:60])!r}")
+        picks = numpy.random.default_rng(1).integers(0, len(stream), 64)
+        batch = stream.gather(picks)
+        again = open_stream(path).gather(picks)
+        ok = numpy.array_equal(batch, again) and all(
+            numpy.array_equal(stream[int(p)]["text"], row) for p, row in zip(picks, batch, strict=True)
+        )
+        checks.append((f"{packing}: stream[p] is a pure function of (spec, p), batched or not, reopened", ok))
+    return checks
+
+
+def _take(loader, steps: int) -> list[list[int]]:
+    return [b["sample_id"].tolist() for _, b in zip(range(steps), loader, strict=False)]
+
+
+def _loaders(spec: str, world: int, workers: int, batch: int = 4) -> list:
+    return [
+        get_savable_loader(
+            get_train_dataset(
+                spec, batch_size=batch, worker_config=WorkerConfig(rank=r, world_size=world, num_workers=workers)
+            )
+        )
+        for r in range(world)
+    ]
+
+
+def _training(spec: str, say: Callable[[str], None], steps: int = 40, cut: int = 17) -> list:
+    """Two DP ranks train ``steps`` steps; a second run saves at ``cut`` and restores in other shapes."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress extra is optional
+        tqdm = None
+    reference = [_take(loader, steps) for loader in _loaders(spec, world=2, workers=1)]
+    first = _loaders(spec, world=2, workers=1)
+    bar = tqdm(total=cut, desc="      training (2 DP ranks)", unit="step", leave=False) if tqdm else None
+    for _ in range(cut):
+        for loader in first:
+            next(iter(loader))
+        if bar:
+            bar.update()
+    if bar:
+        bar.close()
+    states = [loader.save_state_rank() for loader in first]  # what save_state_global gathers
+    size = len(repr(states[0]))
+    say(f"      saved at step {cut}: {size} bytes per rank, e.g. batches={states[0]['batches']}")
+    checks = []
+    same_dp = _loaders(spec, world=2, workers=2)
+    for loader in same_dp:
+        loader.restore_state_global(states)
+    resumed = [_take(loader, steps - cut) for loader in same_dp]
+    ok = all(reference[r][cut:] == resumed[r] for r in range(2))
+    checks.append((f"restore with 2 workers instead of 1: steps {cut}..{steps} identical on both ranks", ok))
+    one = _loaders(spec, world=1, workers=0, batch=8)[0]
+    one.restore_state_global(states)
+    merged = sorted(i for r in range(2) for row in reference[r][cut:] for i in row)
+    got = [i for row in _take(one, steps - cut) for i in row]
+    checks.append(("restore into 1 DP rank (batch 8): the same samples, no loss, no repeat", got == merged))
+    say(f"      resumed streams: first ids after the save {resumed[0][0]} (rank 0), {resumed[1][0]} (rank 1)")
+    return checks
