@@ -102,3 +102,18 @@ keys = st.sampled_from(["data_path", "seq_length", "split", "seed", "packing", "
 def test_fuzz_specs_fail_only_with_statefulset_error(spec):
     with contextlib.suppress(StatefulsetError):
         load_spec(spec, check_files=False)
+
+
+def test_documented_configs_are_valid_specs():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+    assert len(configs) >= 4
+    for path in configs:
+        spec = load_spec(str(path), check_files=False)
+        assert spec.seq_length >= 2, path
+
+
+def test_list_of_prefixes_is_unweighted(shards):
+    spec = load_spec(write_yaml(shards, {"data_path": ["data/a", "data/b"], "seq_length": 8}))
+    assert [w for _, w in spec.data_path] == [None, None]
