@@ -25,9 +25,7 @@ def main() -> None:
             writer.add_document([1, 2, 3, 4, 5], lengths=[2, 3])
     merged = merge_datasets([folder / "part_1", folder / "part_2"], folder / "corpus")
     print(merged)
-    print(
-        "sequence 100:", merged[100].tolist(), "| document 100:", [s.tolist() for s in merged.document(100)]
-    )
+    print("sequence 100:", merged[100].tolist(), "| document 100:", [s.tolist() for s in merged.document(100)])
     reopened = IndexedDataset(folder / "corpus")
     assert len(reopened) == 2 * 102 and reopened.num_documents == 2 * 101
     print(f"files in {folder}")
