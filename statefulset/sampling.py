@@ -72,7 +72,28 @@ def build_sample_index(
     drop_last_partial: bool = True,
     extra: int = 1,
 ) -> numpy.ndarray:
-    """Row k: (position in document_index, offset) where sample k starts; rows n+1."""
+    """Row k: (position in document_index, offset) where sample k starts; rows n+1.
+
+    Runs the compiled single-pass kernel (:mod:`statefulset.kernels`) when it is available and
+    :func:`build_sample_index_numpy` otherwise; both give the same array, dtype included.
+    """
+    from . import kernels
+
+    return kernels.sample_index(
+        sequence_lengths, document_index, seq_length, epochs, tokens_per_epoch, drop_last_partial, extra
+    )
+
+
+def build_sample_index_numpy(
+    sequence_lengths: numpy.ndarray,
+    document_index: numpy.ndarray,
+    seq_length: int,
+    epochs: int,
+    tokens_per_epoch: int,
+    drop_last_partial: bool = True,
+    extra: int = 1,
+) -> numpy.ndarray:
+    """The vectorised NumPy version of :func:`build_sample_index`: the fallback, O(len(document_index)) memory."""
     total = epochs * tokens_per_epoch - extra
     # Without drop_last, megatron computes this ceil in single precision; so do we.
     n = total // seq_length if drop_last_partial else int(numpy.ceil(numpy.float32(total) / numpy.float32(seq_length)))

@@ -1,0 +1,462 @@
+"""Compiled kernels: equal to their Python fallbacks and to megatron-core, cached safely, checked inputs."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from statefulset import StatefulsetError, kernels, sampling
+from statefulset.sampling import build_sample_index, build_sample_index_numpy
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_dir(tmp_path_factory):
+    """Every test here builds into its own cache folder, and leaves the loader as it found it."""
+    folder = tmp_path_factory.mktemp("kernels")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STATEFULSET_KERNEL_DIR", str(folder))
+        patch.delenv("STATEFULSET_KERNELS", raising=False)
+        patch.delenv("CC", raising=False)
+        kernels._reset()
+        yield folder
+    kernels._reset()
+
+
+@pytest.fixture(scope="module")
+def compiled(kernel_dir):
+    if not kernels.available():
+        pytest.skip(f"no compiled kernels here: {kernels._state['reason']}")
+    return True
+
+
+@pytest.fixture
+def reloaded(monkeypatch):
+    """For tests that change the environment: reload before and after."""
+    kernels._reset()
+    yield monkeypatch
+    monkeypatch.undo()
+    kernels._reset()
+
+
+def megatron_helpers():
+    """megatron-core's pybind helpers, loaded straight from the wheel.
+
+    Importing ``megatron.core`` pulls in torch (~8 s); the extension itself needs nothing from it.
+    """
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("megatron-core is not installed")
+    for folder in spec.submodule_search_locations:
+        for path in sorted((Path(folder) / "core" / "datasets").glob("helpers_cpp*.so")):
+            loader = importlib.machinery.ExtensionFileLoader("helpers_cpp", str(path))
+            module_spec = importlib.util.spec_from_file_location("helpers_cpp", path, loader=loader)
+            try:
+                module = importlib.util.module_from_spec(module_spec)
+                loader.exec_module(module)
+            except ImportError as error:
+                pytest.skip(f"megatron-core's helpers_cpp does not load: {error}")
+            return module
+    pytest.skip("megatron-core's helpers_cpp is not built")
+
+
+@pytest.fixture(scope="module")
+def helpers():
+    return megatron_helpers()
+
+
+# --------------------------------------------------------------------------- strategies
+
+SPECIAL_WEIGHTS = [0.0, 5e-324, 1e-300, 1e-17, 1e-9, 1 / 3, 0.5, 1.0, 7.0]
+weight = st.one_of(st.floats(0.0, 1.0, allow_subnormal=True), st.sampled_from(SPECIAL_WEIGHTS))
+
+
+@st.composite
+def weight_lists(draw, positive: bool = False):
+    k = draw(st.integers(1, 6))
+    each = weight.filter(lambda w: w > 0) if positive else weight
+    weights = draw(st.one_of(st.lists(each, min_size=k, max_size=k), each.map(lambda w: [w] * k)))
+    if draw(st.booleans()) and sum(weights) > 0:
+        weights = list(numpy.asarray(weights) / numpy.sum(weights))
+    return numpy.asarray(weights, dtype=numpy.float64)
+
+
+@st.composite
+def gpt_inputs(draw):
+    """Consistent sample index arguments: a document index of whole shuffled epochs, some empty sequences."""
+    count = draw(st.integers(1, 40))
+    lengths = numpy.asarray(
+        draw(st.lists(st.one_of(st.just(0), st.integers(0, 60)), min_size=count, max_size=count)), dtype=numpy.int32
+    )
+    ids = numpy.asarray(sorted(draw(st.sets(st.integers(0, count - 1), min_size=1))), dtype=numpy.int32)
+    epochs = draw(st.integers(1, 5))
+    seq_length = draw(st.integers(1, 70))
+    extra = draw(st.sampled_from([0, 1]))
+    drop_last = draw(st.booleans())
+    tokens_per_epoch = int(lengths[ids].sum())
+    assume(epochs * tokens_per_epoch > extra)
+    document_index = numpy.tile(ids, epochs)
+    numpy.random.RandomState(draw(st.integers(0, 2**32 - 1))).shuffle(document_index)
+    return lengths, document_index, seq_length, epochs, tokens_per_epoch, drop_last, extra
+
+
+# --------------------------------------------------------------------------- compiled == fallback
+
+
+@FAST
+@given(args=gpt_inputs())
+def test_sample_index_compiled_equals_numpy(compiled, args):
+    expected = build_sample_index_numpy(*args)
+    for ours in (kernels.sample_index(*args, native=True), kernels.sample_index(*args, native=False)):
+        assert ours.dtype == expected.dtype == numpy.int32
+        numpy.testing.assert_array_equal(ours, expected)
+    numpy.testing.assert_array_equal(build_sample_index(*args), expected)
+
+
+@FAST
+@given(args=gpt_inputs())
+def test_sample_index_int64_kernel(compiled, args):
+    """The int64 variant (used from 2**31 document index entries on) gives the same values."""
+    _, _, seq_length, epochs, tokens_per_epoch, drop_last, extra = args
+    n = kernels._num_samples(epochs * tokens_per_epoch - extra, seq_length, drop_last)
+    wide = kernels._sample_index_compiled(kernels._library(), *args, n, numpy.int64)
+    assert wide.dtype == numpy.int64
+    numpy.testing.assert_array_equal(wide, build_sample_index_numpy(*args))
+
+
+def test_build_sample_index_dispatches_to_the_kernel(compiled, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the NumPy fallback ran")
+
+    monkeypatch.setattr(sampling, "build_sample_index_numpy", refuse)
+    lengths = numpy.array([5, 3, 9], dtype=numpy.int32)
+    documents = numpy.array([2, 0, 1, 1, 0, 2], dtype=numpy.int32)
+    expected = [[0, 0], [0, 4], [0, 8], [1, 3], [2, 2], [4, 0], [4, 4], [5, 3], [5, 7]]
+    assert build_sample_index(lengths, documents, 4, 2, 17).tolist() == expected
+    with pytest.raises(AssertionError, match="fallback ran"):
+        kernels.sample_index(lengths, documents, 4, 2, 17, native=False)
+
+
+def test_sample_index_other_integer_dtypes(compiled):
+    rng = numpy.random.default_rng(5)
+    lengths = rng.integers(0, 300, 500).astype(numpy.int64)
+    documents = numpy.tile(numpy.arange(500, dtype=numpy.uint32), 3)
+    rng.shuffle(documents)
+    args = (lengths, documents, 64, 3, int(lengths.sum()), False, 1)
+    expected = build_sample_index_numpy(*args)
+    numpy.testing.assert_array_equal(kernels.sample_index(*args, native=True), expected)
+    assert kernels.sample_index(*args, native=True).dtype == expected.dtype
+
+
+@FAST
+@given(weights=weight_lists(), size=st.integers(0, 5000))
+def test_blending_compiled_equals_python(compiled, weights, size):
+    fast = kernels.blending_indices(weights, size, native=True)
+    slow = kernels.blending_indices(weights, size, native=False)
+    for a, b, dtype in zip(fast, slow, (numpy.int16, numpy.int64), strict=True):
+        assert a.dtype == b.dtype == dtype and a.shape == (size,)
+        numpy.testing.assert_array_equal(a, b)
+
+
+@FAST
+@given(sizes=st.lists(st.one_of(st.just(0), st.integers(0, 5000)), min_size=0, max_size=6))
+def test_exhaustive_compiled_equals_python(compiled, sizes):
+    fast = kernels.exhaustive_blending_indices(numpy.asarray(sizes, dtype=numpy.int64), native=True)
+    slow = kernels.exhaustive_blending_indices(numpy.asarray(sizes, dtype=numpy.int64), native=False)
+    for a, b, dtype in zip(fast, slow, (numpy.int16, numpy.int64), strict=True):
+        assert a.dtype == b.dtype == dtype and a.shape == (sum(sizes),)
+        numpy.testing.assert_array_equal(a, b)
+    ids, samples = fast
+    # Every dataset gives exactly its samples, in order.
+    for d, size in enumerate(sizes):
+        numpy.testing.assert_array_equal(samples[ids == d], numpy.arange(size))
+
+
+# --------------------------------------------------------------------------- equal to megatron-core
+
+
+@FAST
+@given(args=gpt_inputs())
+def test_sample_index_equals_megatron(helpers, args):
+    lengths, documents, seq_length, epochs, tokens_per_epoch, drop_last, extra = args
+    assume(seq_length > 1 and tokens_per_epoch > 1)  # megatron asserts both
+    theirs = helpers.build_sample_idx_int32(lengths, documents, seq_length, epochs, tokens_per_epoch, drop_last, extra)
+    ours = kernels.sample_index(*args)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    # Known difference: when document_index starts with empty sequences megatron's row 0 is (0, 0),
+    # the NumPy version (and so the kernel) skips them. The tokens read are the same.
+    first = 0 if lengths[documents[0]] > 0 else 1
+    numpy.testing.assert_array_equal(ours[first:], theirs[first:])
+
+
+def test_sample_index_equals_megatron_large(helpers, compiled):
+    rng = numpy.random.RandomState(1234)
+    lengths = (rng.geometric(1 / 500, 20_000) - 1).astype(numpy.int32)  # some empty sequences
+    documents = numpy.tile(numpy.arange(20_000, dtype=numpy.int32), 7)
+    rng.shuffle(documents)
+    start = 0 if lengths[documents[0]] > 0 else 1  # see test_sample_index_equals_megatron
+    for drop_last in (True, False):
+        for extra in (0, 1):
+            args = (lengths, documents, 2048, 7, int(lengths.sum()), drop_last, extra)
+            ours = kernels.sample_index(*args, native=True)
+            numpy.testing.assert_array_equal(ours[start:], helpers.build_sample_idx_int32(*args)[start:])
+            wide = kernels._sample_index_compiled(kernels._library(), *args, ours.shape[0] - 1, numpy.int64)
+            numpy.testing.assert_array_equal(wide[start:], helpers.build_sample_idx_int64(*args)[start:])
+
+
+def _megatron_blending(helpers, weights, size):
+    ids = numpy.empty(size, dtype=numpy.int16)
+    samples = numpy.empty(size, dtype=numpy.int64)
+    helpers.build_blending_indices(ids, samples, weights, weights.size, size, False)
+    return ids, samples
+
+
+@FAST
+@given(weights=weight_lists(positive=True), size=st.integers(0, 5000))
+def test_blending_equals_megatron(helpers, weights, size):
+    theirs = _megatron_blending(helpers, weights, size)
+    for a, b in zip(kernels.blending_indices(weights, size), theirs, strict=True):
+        numpy.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("k", [2, 10, 100])
+def test_blending_equals_megatron_long(helpers, compiled, k):
+    weights = numpy.random.default_rng(k).random(k)
+    weights /= weights.sum()
+    theirs = _megatron_blending(helpers, weights, 200_000)
+    for a, b in zip(kernels.blending_indices(weights, 200_000, native=True), theirs, strict=True):
+        numpy.testing.assert_array_equal(a, b)
+
+
+@FAST
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=6))
+def test_exhaustive_equals_megatron(helpers, sizes):
+    sizes = numpy.asarray(sizes, dtype=numpy.int64)
+    ids = numpy.empty(sizes.sum(), dtype=numpy.int16)
+    samples = numpy.empty(sizes.sum(), dtype=numpy.int64)
+    helpers.build_exhaustive_blending_indices(ids, samples, sizes, sizes.size)
+    ours = kernels.exhaustive_blending_indices(sizes)
+    numpy.testing.assert_array_equal(ours[0], ids)
+    numpy.testing.assert_array_equal(ours[1], samples)
+
+
+def test_exhaustive_zero_sizes_drop_out():
+    """A dataset of size zero is never picked; the others blend as if it were not there."""
+    with_zero = kernels.exhaustive_blending_indices(numpy.array([0, 40, 0, 25, 0]))
+    without = kernels.exhaustive_blending_indices(numpy.array([40, 25]))
+    numpy.testing.assert_array_equal(with_zero[0], numpy.array([1, 3])[without[0]])
+    numpy.testing.assert_array_equal(with_zero[1], without[1])
+    for native in (None, False):
+        ids, samples = kernels.exhaustive_blending_indices(numpy.zeros(3, dtype=numpy.int64), native=native)
+        assert ids.shape == samples.shape == (0,) and ids.dtype == numpy.int16
+
+
+# --------------------------------------------------------------------------- the compile cache
+
+
+def test_cache_holds_one_library(compiled, kernel_dir):
+    built = list(kernel_dir.iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so", built
+
+
+def test_fresh_folder_gets_one_library(reloaded, tmp_path):
+    reloaded.setenv("STATEFULSET_KERNEL_DIR", str(tmp_path / "cache"))
+    if not kernels.available():
+        pytest.skip(f"no compiler: {kernels._state['reason']}")
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so"]
+    kernels._reset()
+    assert kernels.available()  # reuses the file
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_edited_source_recompiles(reloaded, tmp_path):
+    folder = tmp_path / "cache"
+    reloaded.setenv("STATEFULSET_KERNEL_DIR", str(folder))
+    if not kernels.available():
+        pytest.skip(f"no compiler: {kernels._state['reason']}")
+    edited = tmp_path / "kernels.c"
+    edited.write_bytes(kernels._SOURCE.read_bytes() + b"\n/* edited */\n")
+    reloaded.setattr(kernels, "_SOURCE", edited)
+    kernels._reset()
+    assert kernels.available()
+    assert len(list(folder.glob("*.so"))) == 2
+
+
+def test_disabled_by_environment(reloaded, caplog):
+    reloaded.setenv("STATEFULSET_KERNELS", "0")
+    with caplog.at_level(logging.INFO, logger="statefulset"):
+        assert not kernels.available()
+        assert not kernels.available()
+        ids, _ = kernels.blending_indices([0.7, 0.3], 10)
+    assert ids.tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0]
+    messages = [r.getMessage() for r in caplog.records if "compiled kernels unavailable" in r.getMessage()]
+    assert len(messages) == 1 and "STATEFULSET_KERNELS" in messages[0]
+    with pytest.raises(StatefulsetError, match="unavailable"):
+        kernels.blending_indices([1.0], 3, native=True)
+
+
+@pytest.mark.parametrize("problem", ["no compiler", "unwritable cache"])
+def test_falls_back_when_building_fails(reloaded, tmp_path, caplog, problem):
+    if problem == "no compiler":
+        reloaded.setenv("STATEFULSET_KERNEL_DIR", str(tmp_path / "cache"))
+        reloaded.setenv("CC", str(tmp_path / "no-such-cc"))
+    else:
+        (tmp_path / "file").write_text("")
+        reloaded.setenv("STATEFULSET_KERNEL_DIR", str(tmp_path / "file" / "cache"))
+    with caplog.at_level(logging.INFO, logger="statefulset"):
+        assert not kernels.available()
+        lengths = numpy.array([5, 3, 9], dtype=numpy.int32)
+        documents = numpy.array([2, 0, 1, 1, 0, 2], dtype=numpy.int32)
+        args = (lengths, documents, 4, 2, 17)
+        numpy.testing.assert_array_equal(build_sample_index(*args), build_sample_index_numpy(*args))
+    assert sum("compiled kernels unavailable" in r.getMessage() for r in caplog.records) == 1
+
+
+CHILD = """
+import hashlib, sys, time, types
+from pathlib import Path
+# Import statefulset.kernels without the package __init__ (which imports torch: seconds per process).
+package = types.ModuleType("statefulset")
+package.__path__ = [sys.argv[1]]
+sys.modules["statefulset"] = package
+import numpy
+from statefulset import kernels
+# Start compiling together: wait until every child is ready.
+ready = Path(sys.argv[2])
+(ready / str(time.time_ns())).touch()
+deadline = time.monotonic() + 60
+while len(list(ready.iterdir())) < int(sys.argv[3]) and time.monotonic() < deadline:
+    time.sleep(0.005)
+assert kernels.available(), kernels._state["reason"]
+ids, samples = kernels.blending_indices(numpy.array([0.5, 0.3, 0.2]), 100_000)
+print(Path(kernels._state["lib"]._name).name, hashlib.sha256(ids.tobytes() + samples.tobytes()).hexdigest())
+"""
+
+
+def test_concurrent_builds_agree(compiled, tmp_path):
+    folder, ready, count = tmp_path / "shared", tmp_path / "ready", 6
+    ready.mkdir()
+    env = {**os.environ, "STATEFULSET_KERNEL_DIR": str(folder)}
+    env.pop("STATEFULSET_KERNELS", None)
+    package = str(Path(kernels.__file__).parent)
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, package, str(ready), str(count)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(count)
+    ]
+    outputs = []
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err.decode()
+        outputs.append(out.decode().strip())
+    assert len(set(outputs)) == 1, outputs
+    assert [p.name for p in folder.iterdir()] == [outputs[0].split()[0]]  # and no temporary files left
+    ids, samples = kernels.blending_indices(numpy.array([0.5, 0.3, 0.2]), 100_000, native=False)
+    assert outputs[0].split()[1] == hashlib.sha256(ids.tobytes() + samples.tobytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+GOOD = (numpy.array([5, 3, 9], dtype=numpy.int32), numpy.array([2, 0, 1, 1, 0, 2], dtype=numpy.int32), 4, 2, 17)
+
+
+@pytest.mark.parametrize("native", [None, False])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({1: numpy.array([2, 0, 3, 1, 0, 2], dtype=numpy.int32)}, r"document_index\[2\] = 3 is outside"),
+        ({1: numpy.array([2, 0, 1, 1, 0, -1], dtype=numpy.int32)}, r"document_index\[5\] = -1 is outside"),
+        ({1: numpy.array([2, 0, 1, 1, 0, 2], dtype=numpy.int64) + 5}, "outside"),
+        ({1: numpy.array([], dtype=numpy.int32)}, "empty"),
+        ({1: numpy.array([2.0, 0.0])}, "integer array"),
+        ({1: numpy.array([[2, 0]], dtype=numpy.int32)}, "1-D"),
+        ({1: numpy.array([True, False])}, "integer array"),
+        ({0: numpy.array([5, -3, 9], dtype=numpy.int32)}, "negative"),
+        ({0: numpy.array([], dtype=numpy.int32)}, "cannot hold"),
+        ({2: 0}, "seq_length"),
+        ({2: 2**31}, "seq_length"),
+        ({2: 4.0}, "seq_length must be an integer"),
+        ({3: 0}, "epochs"),
+        ({4: 0}, "tokens_per_epoch"),
+        ({4: 18}, "holds 34 tokens"),
+        ({4: 16}, "holds 34 tokens"),
+        ({4: 10**6}, "cannot hold"),
+        ({4: 2**60}, "2\\*\\*53"),
+        ({"extra": 2}, "extra"),
+        ({"extra": -1}, "extra"),
+    ],
+)
+def test_sample_index_bad_input(native, change, message):
+    args = list(GOOD)
+    kwargs = {}
+    for key, value in change.items():
+        if isinstance(key, int):
+            args[key] = value
+        else:
+            kwargs[key] = value
+    with pytest.raises(StatefulsetError, match=message):
+        kernels.sample_index(*args, native=native, **kwargs)
+
+
+def test_sample_index_one_token_total():
+    """The smallest valid stream: one token and no extra."""
+    out = kernels.sample_index(
+        numpy.array([1], dtype=numpy.int32), numpy.array([0], dtype=numpy.int32), 2, 1, 1, False, 0
+    )
+    numpy.testing.assert_array_equal(
+        out, build_sample_index_numpy(numpy.array([1]), numpy.array([0]), 2, 1, 1, False, 0)
+    )
+
+
+@pytest.mark.parametrize("native", [None, False])
+@pytest.mark.parametrize(
+    ("weights", "size", "message"),
+    [
+        ([], 5, "1 to 32767"),
+        ([[0.5, 0.5]], 5, "1-D"),
+        ([0.5, float("nan")], 5, "finite"),
+        ([0.5, float("inf")], 5, "finite"),
+        ([0.5, -0.1], 5, "non-negative"),
+        (["a", "b"], 5, "numbers"),
+        ([1.0] * 32768, 5, "1 to 32767"),
+        ([0.5, 0.5], -1, "size"),
+        ([0.5, 0.5], 2.5, "size must be an integer"),
+    ],
+)
+def test_blending_bad_input(native, weights, size, message):
+    with pytest.raises(StatefulsetError, match=message):
+        kernels.blending_indices(weights, size, native=native)
+
+
+@pytest.mark.parametrize("native", [None, False])
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (numpy.array([3, -1]), "non-negative"),
+        (numpy.array([3.0, 1.0]), "integer array"),
+        (numpy.array([[3, 1]]), "1-D"),
+        (numpy.ones(32768, dtype=numpy.int64), "at most 32767"),
+        (numpy.array([2**62, 2**62]), "too large"),
+    ],
+)
+def test_exhaustive_bad_input(native, sizes, message):
+    with pytest.raises(StatefulsetError, match=message):
+        kernels.exhaustive_blending_indices(sizes, native=native)
