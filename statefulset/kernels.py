@@ -344,6 +344,7 @@ def _sample_index_compiled(
         raise _token_mismatch(where.value, epochs, tokens_per_epoch)
     if code != 0:
         raise StatefulsetError(f"sample index kernel failed with code {code}")
+    out[0] = 0  # megatron-core's row 0 is (0, 0) even when document_index opens with empty sequences
     return out
 
 

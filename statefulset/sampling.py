@@ -111,6 +111,8 @@ def build_sample_index_numpy(
     rows = numpy.minimum(rows, lengths.size - 1)
     sample[:, 0] = rows
     sample[:, 1] = positions - starts[rows]
+    # megatron-core starts sample 0 at (0, 0) even when document_index opens with empty sequences.
+    sample[0] = 0
     if not drop_last_partial and n * seq_length > total:
         last = lengths.size - 1
         sample[n] = (last, lengths[last] - extra)

@@ -174,3 +174,19 @@ def test_positions_outside_the_stream(corpus):
         stream.gather([0, len(stream)])
     with pytest.raises(IndexError):
         stream[-1]
+
+
+def test_leading_empty_sequences_match_megatron(tmp_path):
+    """Sample 0's row is (0, 0) in megatron-core even when the shuffled index opens with empty sequences."""
+    prefix = str(tmp_path / "empties")
+    with IndexedDatasetWriter(prefix, numpy.uint16) as w:
+        for i in range(200):
+            w.add_document(numpy.arange(i % 3 * 40, dtype=numpy.uint16))  # a third of them empty
+    for seed in range(40):
+        theirs = megatron_build([prefix], None, seed, 16, "1", [None, None, None])[0]
+        if len(prefix) and theirs.sample_index[0, 0] == 0 and theirs.document_index[0] in range(0, 200, 3):
+            ours = open_stream({"data_path": prefix, "seq_length": 16, "split": "1", "seed": seed})
+            numpy.testing.assert_array_equal(ours.sources[0].sample_index, theirs.sample_index)
+            assert_same_stream({"data_path": prefix, "seq_length": 16, "split": "1", "seed": seed}, "train", theirs)
+            return
+    pytest.fail("no seed put an empty sequence first")
