@@ -34,6 +34,9 @@ from .split import SPLITS, parse_split, split_matrix, split_range
 
 # Megatron's add_extra_token_to_sequence: a sample holds seq_length + 1 tokens.
 EXTRA = 1
+# Batches up to this many samples are planned on Python ints, larger gathers with numpy.
+_LIST_PLAN_MAX_SAMPLES = 64
+_THIS_AND_NEXT = numpy.array([0, 1], dtype=numpy.int64)
 
 
 class SampleStream:
@@ -123,6 +126,31 @@ class GPTSource:
 
     def fill(self, local: numpy.ndarray, out: numpy.ndarray) -> None:
         k = self.shuffle_index[local].astype(numpy.int64)
+        if k.size > _LIST_PLAN_MAX_SAMPLES:
+            self._fill_vectorised(k, out)
+            return
+        # A batch: rows k and k+1 of sample_index in one lookup, then a plan on Python ints (numpy's
+        # per-call overhead would dominate for a few samples). Sample b is the pieces
+        # document_index[first_b .. last_b]: the first starts at the sample's offset, the last ends
+        # one token past the next sample's offset (the shared token).
+        bounds = self.sample_index[k[:, None] + _THIS_AND_NEXT].reshape(-1, 4).tolist()
+        documents = self.document_index
+        seq = numpy.concatenate([documents[first : last + 1] for first, _, last, _ in bounds])
+        starts = self._first_tokens[seq].tolist()
+        lengths = self._lengths[seq].tolist()
+        at = 0
+        for first, offset, last, end in bounds:
+            final = at + last - first
+            starts[at] += offset
+            if final == at:
+                lengths[at] = end + EXTRA - offset
+            else:
+                lengths[at] -= offset
+                lengths[final] = end + EXTRA
+            at = final + 1
+        self.dataset.gather(starts, lengths, out.reshape(-1))
+
+    def _fill_vectorised(self, k: numpy.ndarray, out: numpy.ndarray) -> None:
         begin = self.sample_index[k].astype(numpy.int64)
         end = self.sample_index[k + 1].astype(numpy.int64)
         pieces = end[:, 0] - begin[:, 0] + 1
