@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy
+
 from .errors import StatefulsetError
 from .spec import DatasetSpec
 from .state import Cursor
@@ -56,6 +58,18 @@ class StreamDataset:
         end = len(self.stream)
         stop = max(0, (end - cursor.base) // global_batch)
         return stop if self.limit is None else min(stop, self.limit)
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        """``{"text": int64 [seq_length + 1], "sample_id": p}``: the sample the loader puts at global position ``p``.
+
+        A pure function of the spec and ``p``, the same in every process, worker and rank. A finite
+        (megatron) stream that repeats reads position ``p`` as ``p % len(stream)``, as the loader does.
+        """
+        if isinstance(position, bool) or not isinstance(position, int | numpy.integer):
+            raise TypeError(f"dataset positions are ints, not {type(position).__name__}")
+        p = int(position)
+        read = p % len(self.stream) if self.repeat and not self.stream.unbounded and p >= 0 else p
+        return {"text": self.stream[read]["text"], "sample_id": p}
 
     def __len__(self) -> int:
         """Micro-batches per rank in one pass over the stream."""
