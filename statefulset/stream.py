@@ -97,11 +97,11 @@ class SampleStream:
 
 def _fill_by_source(which: numpy.ndarray, local: numpy.ndarray, out: numpy.ndarray, sources: list[Any]) -> None:
     """Rows of ``out`` from several sources: each source gathers its rows in one call."""
-    present = numpy.unique(which)
-    if present.size == 1:
-        sources[int(present[0])].fill(local, out)
+    present = sorted(set(which.tolist()))  # not numpy.unique: its first call imports numpy.ma (~7 ms)
+    if len(present) == 1:
+        sources[present[0]].fill(local, out)
         return
-    for d in present.tolist():
+    for d in present:
         rows = numpy.flatnonzero(which == d)
         block = numpy.empty((rows.size, out.shape[1]), dtype=numpy.int64)
         sources[d].fill(local[rows], block)
