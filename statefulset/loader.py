@@ -171,6 +171,27 @@ class SavableLoader:
             fit_rank_state(state, self.dataset.stream.identity, wc.rank, wc.world_size, self.dataset.batch_size)
         )
 
+    # -- Megatron / Nanotron bookkeeping --------------------------------------------------------
+    @property
+    def consumed_samples(self) -> int:
+        """First global position no rank has taken, when every DP rank took as many batches as this one.
+
+        This is Megatron-LM's and Nanotron's ``consumed_train_samples`` after as many micro-batches.
+        """
+        return self._position().consumed
+
+    def restore_consumed_samples(self, consumed_samples: int) -> None:
+        """Start at global position ``consumed_samples``: Megatron's and Nanotron's resume from one integer.
+
+        Any DP size, batch size or worker count may resume from it, since it names the first
+        sample of the stream that no rank has trained on.
+        """
+        if isinstance(consumed_samples, bool) or not isinstance(consumed_samples, int | numpy.integer):
+            raise StatefulsetError(f"consumed_samples must be an int, got {type(consumed_samples).__name__}")
+        if not 0 <= consumed_samples < 2**62:
+            raise StatefulsetError(f"consumed_samples must be in [0, 2**62), got {consumed_samples}")
+        self._restore(self.dataset.layout(base=int(consumed_samples)))
+
     # -- global state ---------------------------------------------------------------------------
     def _group_size(self) -> int:
         return self.worker_config.world_size

@@ -11,8 +11,6 @@ writes what it saw to a file with ``torch.save`` and the checks run here, in the
 from __future__ import annotations
 
 import contextlib
-import datetime
-import multiprocessing
 import os
 import random
 import re
@@ -20,8 +18,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import uuid
-import warnings
 import zlib
 from pathlib import Path
 
@@ -29,6 +25,7 @@ import numpy
 import pytest
 import torch
 import yaml
+from ranks import init_rank, spawn
 
 from statefulset import (
     IndexedDatasetWriter,
@@ -110,24 +107,6 @@ def check_rows(spec: dict, ids: list[list[int]], text: torch.Tensor) -> None:
 # --- helpers that run inside the ranks ----------------------------------------------------------
 
 
-def _init(rank: int, world: int, init_file: str) -> None:
-    import torch.distributed as dist
-
-    warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
-    # A rank started by the fork server inherits "forkserver" as its start method, and its DataLoader
-    # would start a fork server of its own, importing torch afresh for every worker (seconds each).
-    # Ranks launched by torchrun on Linux fork their workers; so do these.
-    multiprocessing.set_start_method("fork", force=True)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),  # generous: other jobs may share the 2 cores
-    )
-
-
 def _take(loader, steps: int) -> dict:
     """``steps`` batches as {"ids": [[...], ...], "text": [steps, B, SEQ+1]} (zip never pulls an extra batch)."""
     ids, text = [], []
@@ -143,15 +122,6 @@ def _loader(spec, dp_rank: int, dp_size: int, num_workers: int, group=None):
     return get_savable_loader(get_train_dataset(spec, batch_size=BATCH, worker_config=wc))
 
 
-def _spawn(fn, nprocs: int, tmp_path: Path, *args) -> None:
-    import torch.multiprocessing as mp
-
-    # As in test_parallel.py: one fork server imports torch once and forks every rank from it.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch.distributed", "statefulset"])
-    init_file = str(tmp_path / f"rendezvous-{uuid.uuid4().hex}")
-    mp.start_processes(fn, args=(nprocs, init_file, *args), nprocs=nprocs, join=True, start_method="forkserver")
-
-
 def _load(path) -> dict:
     return torch.load(path)  # weights_only=True, the default: records and states are plain data and tensors
 
@@ -162,7 +132,7 @@ GUIDE_STEPS = 5  # before the save; as many again after it (the megatron stream 
 
 
 def _guide_rank(rank: int, world: int, init_file: str, workdir: str, order: str) -> None:
-    _init(rank, world, init_file)
+    init_rank(rank, world, init_file)
     os.chdir(workdir)
     import torch.distributed  # the guide's spelling
 
@@ -275,7 +245,7 @@ def _guide_rank(rank: int, world: int, init_file: str, workdir: str, order: str)
 def test_energon_guide_on_eight_ranks(tmp_path, specs, order, packing):
     spec = specs[packing]
     (tmp_path / "dataset.yaml").write_text(yaml.safe_dump(spec))
-    _spawn(_guide_rank, 8, tmp_path, str(tmp_path), order)
+    spawn(_guide_rank, 8, tmp_path, str(tmp_path), order)
 
     layout = ParallelLayout(8, tp=2, pp=2, order=order)
     records = {g: _load(tmp_path / f"record_{g}.pt") for g in range(8)}
@@ -332,7 +302,7 @@ def _cut_points(specs: dict) -> dict[str, list[int]]:
 def _random_points_rank(rank: int, world: int, init_file: str, workdir: str, specs: dict, cuts: dict) -> None:
     import torch.distributed as dist
 
-    _init(rank, world, init_file)
+    init_rank(rank, world, init_file)
     record = {}
     for p, packing in enumerate(PACKINGS):
         spec = specs[packing]
@@ -374,7 +344,7 @@ def _random_points_rank(rank: int, world: int, init_file: str, workdir: str, spe
 
 def test_restores_at_random_points_with_other_worker_counts(tmp_path, specs):
     cuts = _cut_points(specs)
-    _spawn(_random_points_rank, 2, tmp_path, str(tmp_path), {p: specs[p] for p in PACKINGS}, cuts)
+    spawn(_random_points_rank, 2, tmp_path, str(tmp_path), {p: specs[p] for p in PACKINGS}, cuts)
     seen_pairs = set()
     for rank in range(2):
         record = _load(tmp_path / f"record_{rank}.pt")
@@ -406,7 +376,7 @@ ELASTIC = {"a": (2, 3, 1), "b": (1, 3, 0), "c": (4, 2, 2)}  # phase: (DP size, b
 def _elastic_rank(rank: int, world: int, init_file: str, workdir: str, specs: dict, phase: str) -> None:
     import torch.distributed as dist
 
-    _init(rank, world, init_file)
+    init_rank(rank, world, init_file)
     dp, steps, workers = ELASTIC[phase]
     record = {}
     for packing in PACKINGS:
@@ -433,7 +403,7 @@ def _elastic_rank(rank: int, world: int, init_file: str, workdir: str, specs: di
 
 def test_elastic_data_parallel_2_to_1_to_4(tmp_path, specs):
     specs = {p: specs[p] for p in PACKINGS}
-    _spawn(_elastic_rank, 2, tmp_path, str(tmp_path), specs, "a")
+    spawn(_elastic_rank, 2, tmp_path, str(tmp_path), specs, "a")
 
     # DP 1, in this process: the global state of 2 ranks restores into one.
     dp_b, steps_b, workers_b = ELASTIC["b"]
@@ -453,7 +423,7 @@ def test_elastic_data_parallel_2_to_1_to_4(tmp_path, specs):
             same.restore_state_global(uneven)
             assert same.batches_taken == 3 + dp_rank
 
-    _spawn(_elastic_rank, 4, tmp_path, str(tmp_path), specs, "c")
+    spawn(_elastic_rank, 4, tmp_path, str(tmp_path), specs, "c")
 
     for packing, spec in specs.items():
         consumed = 0
