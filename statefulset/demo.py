@@ -6,6 +6,7 @@ It exercises every capability that exists and ends with one verdict line.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import time
@@ -22,7 +23,7 @@ from .preprocess import preprocess
 from .stream import open_stream
 from .tokenization import ByteTokenizer
 from .workers import WorkerConfig
-from .writer import find_prefixes, merge_datasets
+from .writer import IndexedDatasetWriter, find_prefixes, merge_datasets
 
 _WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
@@ -61,6 +62,55 @@ def write_demo_corpus(folder: str, documents: int = 6000) -> list[str]:
             f.write(lines)
         paths.append(path)
     return paths
+
+
+def demo_spec(
+    folder: str | None = None,
+    packing: str = "native",
+    documents: int = 2000,
+    seq_length: int = 128,
+    split: str = "98,2,0",
+    **spec: object,
+) -> str:
+    """Write the built-in corpus as two byte-tokenised shards plus a YAML spec; return the spec's path.
+
+    For examples and tutorials: no download, no preprocessing pool, a second of work. The blend
+    is ``part_a`` 0.7 / ``part_b`` 0.3 with end-of-document token 256 (:class:`ByteTokenizer`);
+    extra keywords are added to the spec (for example ``num_samples`` for megatron packing).
+    An existing folder is reused: the shards are only written when missing. Call it once before
+    starting ranks rather than from every rank at the same time.
+    """
+    folder = folder or os.path.join(os.path.expanduser("~"), ".cache", "statefulset", "demo-corpus")
+    os.makedirs(folder, exist_ok=True)
+    tokenizer = ByteTokenizer()
+    docs = generate_documents(documents)
+    halves = {"part_a": docs[: documents // 2], "part_b": docs[documents // 2 :]}
+    for name, part in halves.items():
+        prefix = os.path.join(folder, f"{name}_{documents}")
+        if os.path.exists(prefix + ".idx"):
+            continue
+        tokens, lengths = tokenizer.encode_batch([d["text"] for d in part])
+        ends = numpy.cumsum(lengths)
+        with IndexedDatasetWriter(prefix, numpy.uint16) as writer:
+            for end, length in zip(ends, lengths, strict=True):
+                writer.add_document(numpy.append(tokens[end - length : end], tokenizer.eod))
+    weights = {"part_a": 0.7, "part_b": 0.3}
+    body = {
+        "data_path": {f"{name}_{documents}": weights[name] for name in halves},
+        "seq_length": seq_length,
+        "split": split,
+        "seed": 1234,
+        "packing": packing,
+        **spec,
+    }
+    if packing == "megatron":
+        body.setdefault("path_to_cache", "cache")
+    digest = hashlib.blake2b(repr(sorted(body.items())).encode(), digest_size=4).hexdigest()
+    path = os.path.join(folder, f"{packing}-{seq_length}-{digest}.yaml")
+    with open(path + f".{os.getpid()}.tmp", "w", encoding="utf-8") as f:
+        yaml.safe_dump(body, f, sort_keys=False)
+    os.replace(path + f".{os.getpid()}.tmp", path)
+    return path
 
 
 def run_demo(folder: str = "statefulset-demo", documents: int = 6000, say: Callable[[str], None] = print) -> bool:
