@@ -29,13 +29,14 @@ from typing import Any
 import numpy
 
 from .errors import StatefulsetError
+from .memo import recall, remember
 
 logger = logging.getLogger("statefulset")
 
 CACHE_VERSION = 1
 # Entries this process built (not loaded), by kind: what tests and logs use to see who built.
 builds: dict[str, int] = {}
-_DIGEST_CHUNK = 1 << 24
+_DIGEST_CHUNK = 1 << 20  # constant memory: hashing a shard never holds more than this
 
 
 def description_key(description: dict[str, Any]) -> str:
@@ -44,24 +45,6 @@ def description_key(description: dict[str, Any]) -> str:
 
 
 # -- shard identity -------------------------------------------------------------------------------
-def _file_token(path: str) -> tuple[str, str] | None:
-    """A cheap fingerprint of a file *version* (path, size, mtime, inode), or None if unavailable."""
-    if "://" in path:
-        try:
-            import fsspec
-
-            fs, fs_path = fsspec.core.url_to_fs(path)
-            return path, str(fs.ukey(fs_path))
-        except (ImportError, OSError, ValueError, NotImplementedError):
-            return None
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    real = os.path.realpath(path)
-    return real, f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
-
-
 def _hash_file(path: str) -> str:
     digest = hashlib.blake2b(digest_size=16)
     if "://" in path:
@@ -76,45 +59,18 @@ def _hash_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def _default_memo_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "statefulset", "digests")
-
-
 def shard_digest(prefix: str, memo_dir: str | None = None) -> str:
-    """Content digest of ``prefix.idx``, hashed once per file version and remembered by (path, size, mtime, inode)."""
+    """Content digest of ``prefix.idx``, hashed once per file version (:mod:`statefulset.memo`)."""
     path = prefix + ".idx"
-    token = _file_token(path)
-    memo_dir = memo_dir or _default_memo_dir()
-    memo = None
-    if token is not None:
-        memo = os.path.join(memo_dir, hashlib.blake2b(token[0].encode(), digest_size=16).hexdigest() + ".json")
-        with contextlib.suppress(OSError, ValueError):
-            with open(memo, encoding="utf-8") as f:
-                saved = json.load(f)
-            if saved.get("version") == token[1] and isinstance(saved.get("digest"), str):
-                return saved["digest"]
+    digest = recall("digest", path, directory=memo_dir)
+    if isinstance(digest, str):
+        return digest
     try:
         digest = _hash_file(path)
     except OSError as exc:
         raise StatefulsetError(f"{path}: cannot read to identify the shard: {exc}") from exc
-    if memo is not None:
-        with contextlib.suppress(OSError):
-            _write_atomic(memo, json.dumps({"path": token[0], "version": token[1], "digest": digest}).encode())
+    remember("digest", path, value=digest, directory=memo_dir)
     return digest
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 # -- the array cache ------------------------------------------------------------------------------

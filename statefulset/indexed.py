@@ -10,6 +10,7 @@ import numpy
 
 from . import idx_format
 from .errors import SequenceIndexError, StatefulsetError
+from .memo import recall, remember
 from .storage import ShardFile
 
 
@@ -68,6 +69,9 @@ class IndexedDataset:
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         idx_file = ShardFile(idx_path, self.storage_options)
         self._bin_file = ShardFile(bin_path, self.storage_options)
+        # A file version that passed every check once needs only the O(1) checks again.
+        kind = "verified-multimodal" if self.multimodal else "verified"
+        full = validate and not recall(kind, idx_path, bin_path)
         arrays = idx_format.decode_index(
             idx_file.map(),
             idx_size=idx_file.size,
@@ -75,8 +79,10 @@ class IndexedDataset:
             multimodal=self.multimodal,
             path=idx_path,
             bin_path=bin_path,
-            full=validate,
+            full=full,
         )
+        if full:
+            remember(kind, idx_path, bin_path, value=True)
         self._arrays = arrays
         self.dtype: numpy.dtype = arrays.header.dtype
         self._itemsize = self.dtype.itemsize

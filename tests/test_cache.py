@@ -7,11 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy
 import pytest
 
-from statefulset import IndexedDatasetWriter, StatefulsetError
+from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError
 from statefulset import cache as cache_module
 from statefulset.cache import IndexCache, shard_digest
 from statefulset.stream import open_stream
@@ -63,14 +64,40 @@ def test_retokenised_shard_never_reuses_stale_indices(spec, tmp_path):
     assert len(entries(spec["path_to_cache"])) == 5  # one GPTDataset and the blend are new
 
 
+def _settle(prefix: str, age: float = 60) -> None:
+    """Date a shard's files ``age`` seconds back, as if written long ago."""
+    past = time.time() - age
+    for ext in (".idx", ".bin"):
+        os.utime(prefix + ext, (past, past))
+
+
 def test_digest_is_remembered_per_file_version(tmp_path):
-    write_shard(str(tmp_path / "s"), 3)
+    prefix = str(tmp_path / "s")
+    write_shard(prefix, 3)
     memo = str(tmp_path / "memo")
-    first = shard_digest(str(tmp_path / "s"), memo)
-    assert shard_digest(str(tmp_path / "s"), memo) == first
+    first = shard_digest(prefix, memo)
+    assert not os.path.exists(memo)  # a file written just now may still change under the same mtime
+    _settle(prefix)
+    assert shard_digest(prefix, memo) == first
     assert len(os.listdir(memo)) == 1
-    write_shard(str(tmp_path / "s"), 4)
-    assert shard_digest(str(tmp_path / "s"), memo) != first
+    write_shard(prefix, 4)
+    _settle(prefix, age=30)
+    assert shard_digest(prefix, memo) != first
+
+
+def test_a_verified_shard_version_is_checked_again_once_it_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    prefix = str(tmp_path / "s")
+    write_shard(prefix, 5)
+    _settle(prefix)
+    IndexedDataset(prefix)  # checked in full and remembered
+    assert os.listdir(tmp_path / "xdg" / "statefulset" / "memo")
+    IndexedDataset(prefix)  # O(1) checks only
+    with open(prefix + ".idx", "r+b") as f:  # a pointer rewritten in place: same size, new mtime
+        f.seek(-8 * 5 - 8, os.SEEK_END)
+        f.write((12345).to_bytes(8, "little"))
+    with pytest.raises(StatefulsetError, match=r"sequence_pointers|document_indices"):
+        IndexedDataset(prefix)
 
 
 CHILD = textwrap.dedent(
