@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#define SF_KERNELS_ABI 1
+#define SF_KERNELS_ABI 2
 
 /* The walk reads lengths[] at random (one read per document_index entry): ask for the entry
  * SF_PREFETCH_AHEAD positions on early. Only a hint, it never changes a result; ~30% faster on
@@ -187,4 +187,75 @@ int32_t sf_exhaustive_blending_indices(const int64_t *sizes, int64_t num_dataset
         }
     }
     return SF_OK;
+}
+
+/* The keyed Feistel permutation of statefulset.permutation, for the few indices of one batch:
+ * numpy needs ~40 array operations per call whatever the count, which dominated native batch
+ * assembly. Same arithmetic (splitmix64 finaliser as round function, wrapping uint64, cycle
+ * walking until the value is below n); `inverse` runs the rounds backwards. */
+static inline uint64_t sf_mix(uint64_t z) {
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ULL;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t sf_rounds(uint64_t x, int32_t half, uint64_t mask, const uint64_t *keys, int32_t rounds,
+                                 int32_t inverse) {
+    uint64_t left = x >> half, right = x & mask, t;
+    if (!inverse) {
+        for (int32_t r = 0; r < rounds; r++) {
+            t = left ^ (sf_mix(right ^ keys[r]) & mask);
+            left = right;
+            right = t;
+        }
+    } else {
+        for (int32_t r = rounds - 1; r >= 0; r--) {
+            t = right ^ (sf_mix(left ^ keys[r]) & mask);
+            right = left;
+            left = t;
+        }
+    }
+    return (left << half) | right;
+}
+
+void sf_feistel(const int64_t *x, int64_t count, int64_t n, int32_t half, const uint64_t *keys, int32_t rounds,
+                int32_t inverse, int64_t *out) {
+    uint64_t mask = (half >= 64) ? ~0ULL : ((1ULL << half) - 1);
+    for (int64_t i = 0; i < count; i++) {
+        uint64_t y = sf_rounds((uint64_t)x[i], half, mask, keys, rounds, inverse);
+        while (y >= (uint64_t)n) y = sf_rounds(y, half, mask, keys, rounds, inverse);
+        out[i] = (int64_t)y;
+    }
+}
+
+/* splitmix64's finaliser with its increment: permutation.mix64. */
+static inline uint64_t sf_mix64(uint64_t value) { return sf_mix(value + 0x9E3779B97F4A7C15ULL); }
+
+/* permutation.derive_key(a, b). */
+static inline uint64_t sf_derive2(uint64_t a, uint64_t b) { return sf_mix64(sf_mix64(0x243F6A8885A308D3ULL ^ a) ^ b); }
+
+/* native.WindowSource.window_starts without the per-epoch Python objects: sample `local[i]` is
+ * window `local[i] % windows` of epoch `local[i] / windows`, permuted by the epoch's keyed
+ * Feistel network (key derive_key(key, epoch), round keys derive_key(that, r)). Random
+ * positions touch a new epoch per sample, where building one permutation object each in Python
+ * cost more than the rest of the batch. */
+void sf_window_permute(const int64_t *local, int64_t count, int64_t windows, int32_t half, uint64_t key,
+                       int32_t rounds, int64_t *out) {
+    uint64_t keys[64];
+    int64_t current = -1;
+    uint64_t mask = (half >= 64) ? ~0ULL : ((1ULL << half) - 1);
+    if (rounds > 64) rounds = 64;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t epoch = local[i] / windows, j = local[i] % windows;
+        if (epoch != current) {
+            uint64_t epoch_key = sf_derive2(key, (uint64_t)epoch);
+            for (int32_t r = 0; r < rounds; r++) keys[r] = sf_derive2(epoch_key, (uint64_t)r);
+            current = epoch;
+        }
+        uint64_t y = sf_rounds((uint64_t)j, half, mask, keys, rounds, 0);
+        while (y >= (uint64_t)windows) y = sf_rounds(y, half, mask, keys, rounds, 0);
+        out[i] = (int64_t)y;
+    }
 }

@@ -46,7 +46,7 @@ logger = logging.getLogger("statefulset")
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off")
-_ABI = 1
+_ABI = 2
 _COMPILE_TIMEOUT = 300
 
 _INT32_MAX = int(numpy.iinfo(numpy.int32).max)
@@ -122,6 +122,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         array(numpy.float64), array(numpy.int32),
     ]  # fmt: skip
     lib.sf_exhaustive_blending_indices.restype = i32
+    lib.sf_feistel.argtypes = [array(numpy.int64), i64, i64, i32, array(numpy.uint64), i32, i32, array(numpy.int64)]
+    lib.sf_feistel.restype = None
+    lib.sf_window_permute.argtypes = [array(numpy.int64), i64, i64, i32, ctypes.c_uint64, i32, array(numpy.int64)]
+    lib.sf_window_permute.restype = None
 
 
 def _open() -> ctypes.CDLL:
@@ -470,3 +474,29 @@ def exhaustive_blending_indices(
     if code != 0:
         raise StatefulsetError(f"exhaustive blending kernel failed with code {code}")
     return dataset_index, dataset_sample_index
+
+
+def feistel(x: numpy.ndarray, n: int, half: int, keys: numpy.ndarray, inverse: bool = False) -> numpy.ndarray | None:
+    """:class:`~statefulset.permutation.KeyedPermutation`'s rounds with cycle walking, compiled.
+
+    ``x``: int64 values already checked to lie in ``[0, n)``. Returns None when the kernels are
+    unavailable, so the caller runs its numpy version.
+    """
+    lib = _library()
+    if lib is None:
+        return None
+    flat = numpy.ascontiguousarray(x, dtype=numpy.int64).reshape(-1)
+    out = numpy.empty_like(flat)
+    lib.sf_feistel(flat, flat.size, n, half, keys, keys.size, int(inverse), out)
+    return out.reshape(numpy.shape(x))
+
+
+def window_permute(local: numpy.ndarray, windows: int, half: int, key: int, rounds: int) -> numpy.ndarray | None:
+    """Permuted window of each non-negative ``local`` sample (see native.WindowSource), or None without kernels."""
+    lib = _library()
+    if lib is None:
+        return None
+    flat = numpy.ascontiguousarray(local, dtype=numpy.int64).reshape(-1)
+    out = numpy.empty_like(flat)
+    lib.sf_window_permute(flat, flat.size, windows, half, key, rounds, out)
+    return out

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import numpy
 
+from . import kernels
 from .errors import StatefulsetError
 from .indexed import IndexedDataset
-from .permutation import KeyedPermutation, derive_key
+from .permutation import ROUNDS, KeyedPermutation, derive_key, half_bits
 
 _SCALE_BITS = 32
 _SCALE = 1 << _SCALE_BITS
@@ -115,6 +116,7 @@ class WindowSource:
                 f"too few for one sample of {seq_length}+1"
             )
         self.key = key
+        self._half = half_bits(self.windows)
         self._permutations: dict[int, KeyedPermutation] = {}
 
     def _permutation(self, epoch: int) -> KeyedPermutation:
@@ -127,7 +129,15 @@ class WindowSource:
 
     def window_starts(self, local: numpy.ndarray) -> numpy.ndarray:
         """First token (in the ``.bin``) of each local sample."""
-        epoch, j = numpy.divmod(numpy.asarray(local, dtype=numpy.int64), self.windows)
+        local = numpy.asarray(local, dtype=numpy.int64)
+        if local.size and local.min() >= 0:
+            compiled = kernels.window_permute(local, self.windows, self._half, self.key, ROUNDS)
+            if compiled is not None:
+                return self.first_token + compiled.reshape(local.shape) * self.seq_length
+        return self._window_starts_numpy(local)
+
+    def _window_starts_numpy(self, local: numpy.ndarray) -> numpy.ndarray:
+        epoch, j = numpy.divmod(local, self.windows)
         # A set, not numpy.unique: that imports numpy.ma on first use (~7 ms) inside the batch hot path.
         epochs = set(epoch.tolist())
         if len(epochs) == 1:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import numpy
 
-_ROUNDS = 6
+from . import kernels
+
+ROUNDS = 6
 _MASK64 = (1 << 64) - 1
 
 
@@ -42,6 +44,12 @@ def _mix_array(z: numpy.ndarray) -> numpy.ndarray:
     return z ^ (z >> numpy.uint64(31))
 
 
+def half_bits(n: int) -> int:
+    """Bits per Feistel half for a domain of ``n``: half the smallest even width covering ``n``."""
+    bits = max(2, (n - 1).bit_length())
+    return (bits + bits % 2) // 2
+
+
 class KeyedPermutation:
     """A bijection of ``[0, n)`` chosen by ``key``; ``inverse`` undoes it."""
 
@@ -49,11 +57,10 @@ class KeyedPermutation:
         if n < 1:
             raise ValueError(f"a permutation needs n >= 1, got {n}")
         self.n = int(n)
-        bits = max(2, (self.n - 1).bit_length())
-        bits += bits % 2
-        self._half = bits // 2
+        self._half = half_bits(self.n)
         self._low_mask = numpy.uint64((1 << self._half) - 1)
-        self._round_keys = [numpy.uint64(derive_key(key, r)) for r in range(_ROUNDS)]
+        self._round_keys = [numpy.uint64(derive_key(key, r)) for r in range(ROUNDS)]
+        self._key_array = numpy.array(self._round_keys, dtype=numpy.uint64)
 
     def _rounds(self, x: numpy.ndarray, keys: list[numpy.uint64]) -> numpy.ndarray:
         half, mask = numpy.uint64(self._half), self._low_mask
@@ -82,6 +89,10 @@ class KeyedPermutation:
         x = numpy.asarray(index, dtype=numpy.int64)
         if x.size and (x.min() < 0 or x.max() >= self.n):
             raise IndexError(f"index outside [0, {self.n})")
+        compiled = kernels.feistel(x, self.n, self._half, self._key_array)
+        return compiled if compiled is not None else self._numpy(x)
+
+    def _numpy(self, x: numpy.ndarray) -> numpy.ndarray:
         return self._walk(x.astype(numpy.uint64).reshape(-1), self._round_keys).reshape(x.shape).astype(numpy.int64)
 
     def __getitem__(self, index: int) -> int:
@@ -91,6 +102,10 @@ class KeyedPermutation:
         x = numpy.asarray(value, dtype=numpy.int64)
         if x.size and (x.min() < 0 or x.max() >= self.n):
             raise IndexError(f"value outside [0, {self.n})")
+        compiled = kernels.feistel(x, self.n, self._half, self._key_array, inverse=True)
+        return compiled if compiled is not None else self._numpy_inverse(x)
+
+    def _numpy_inverse(self, x: numpy.ndarray) -> numpy.ndarray:
         flat = x.astype(numpy.uint64).reshape(-1)
         y = self._inverse_rounds(flat, self._round_keys)
         outside = y >= numpy.uint64(self.n)
