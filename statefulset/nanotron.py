@@ -414,6 +414,7 @@ def build_nanotron_dataloader(
     consumed_train_samples: int = 0,
     input_pp_rank: int = 0,
     output_pp_rank: int | None = None,
+    sequence_length: int | None = None,
     num_workers: int = 0,
     data_parallel_group: Any = None,
     link_group: Any = None,
@@ -434,6 +435,9 @@ def build_nanotron_dataloader(
     trained on, so any value resumes exactly: a multiple of the *current* global batch is not
     required, and would be wrong to require, since a run saved with another DP size, micro-batch
     size or accumulation count (or mid-way through a batch-size ramp) legitimately leaves one.
+
+    ``sequence_length``, when given (Nanotron's ``tokens.sequence_length``), must equal the spec's
+    ``seq_length``; the micro-batches are ``[micro_batch_size, seq_length]``.
 
     ``n_micro_batches_per_batch`` is the trainer's ``batch_accumulation_per_replica``; it sizes the
     in-flight window of the input → output stage link (``send_depth``, default ``n + pp``) so the
@@ -493,6 +497,11 @@ def build_nanotron_dataloader(
     # Every rank parses the spec (no shard reads), so a bad spec fails on every rank, not only where data is read.
     parsed = spec if isinstance(spec, DatasetSpec) else load_spec(spec)
     seq_length = parsed.seq_length
+    if sequence_length is not None and _int("sequence_length", sequence_length, 1, where) != seq_length:
+        raise StatefulsetError(
+            f"{where}: sequence_length {sequence_length} (the trainer's tokens.sequence_length) differs from the "
+            f"spec's seq_length {seq_length}"
+        )
     if seq_length % layout.cp:
         raise StatefulsetError(
             f"{where}: the spec's seq_length {seq_length} is not divisible by cp {layout.cp} "

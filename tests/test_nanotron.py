@@ -300,6 +300,7 @@ def test_layout_from_parallel_context():
         (ParallelLayout(1), {"micro_batch_size": 2, "output_pp_rank": 3}, "output_pp_rank 3 is outside"),
         (ParallelLayout(1), {"micro_batch_size": 2, "rank": 1}, r"rank 1 is outside \[0, world_size 1\)"),
         (ParallelLayout(1), {"micro_batch_size": 2, "num_workers": -1}, "num_workers"),
+        (ParallelLayout(1), {"micro_batch_size": 2, "sequence_length": 32}, "sequence_length 32 .* seq_length 16"),
         (ParallelLayout(1), {"micro_batch_size": 2, "prefetch": 2}, "unknown keyword argument.*prefetch"),
         (ParallelLayout(3, cp=3), {"micro_batch_size": 2}, "seq_length 16 is not divisible by cp 3"),
         (ParallelLayout(2, pp=2), {"micro_batch_size": 2}, "needs torch.distributed"),
