@@ -67,6 +67,7 @@ from typing import Any
 from bench_read import find_or_write_shard, warm
 from benchenv import environment, environment_markdown, git_state, load_average, spread
 from corpus import OUT_DIR, add_docs_argument
+from plots import add_plot_argument, publish_result
 
 SEQ_LENGTH = 2048
 SEED = 1234
@@ -704,6 +705,7 @@ def main() -> None:
     parser.add_argument(
         "--pool", nargs="+", metavar="JSON", help="no runs: report the runs of these result files together"
     )
+    add_plot_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -760,6 +762,7 @@ def main() -> None:
     with open(os.path.join(out_dir, "bench_loader.md"), "w") as f:
         f.write(text)
     print(text)
+    publish_result("bench_loader", result, not args.no_plot)
 
 
 def pool(paths: list[str], out_dir: str) -> None:

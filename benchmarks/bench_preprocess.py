@@ -43,6 +43,7 @@ from typing import Any
 
 from benchenv import environment, environment_markdown, spread
 from jsonl_corpus import EOD_TOKEN, OUT_DIR, ensure_corpus, train_tokenizer
+from plots import add_plot_argument, publish_result
 
 DEFAULT_DOCS = 200_000
 TOKENIZERS = ("bytes", "hf")
@@ -443,6 +444,7 @@ def main() -> None:
         "--max-wait", type=float, default=1800, help="seconds to wait for an idle machine before each run"
     )
     parser.add_argument("--render", action="store_true", help="only rebuild preprocess.md from preprocess.json")
+    add_plot_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -451,7 +453,9 @@ def main() -> None:
     args.out_dir = os.path.abspath(args.out_dir)
     if args.render:
         with open(os.path.join(args.out_dir, "preprocess.json")) as f:
-            _write_report(json.load(f), args.out_dir)
+            result = json.load(f)
+        _write_report(result, args.out_dir)
+        publish_result("bench_preprocess", result, not args.no_plot)
         return
     args.tokenizers = [t for t in args.tokenizers.split(",") if t]
     if not set(args.tokenizers) <= set(TOKENIZERS):
@@ -533,6 +537,7 @@ def main() -> None:
     with open(os.path.join(args.out_dir, "preprocess.json"), "w") as f:
         json.dump(result, f, indent=2)
     _write_report(result, args.out_dir)
+    publish_result("bench_preprocess", result, not args.no_plot)
     if not all(all(v) for v in identical.values()):
         raise SystemExit("byte-identity check FAILED")
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy
 from benchenv import environment, environment_markdown, git_state, load_average, spread
 from corpus import DTYPE, OUT_DIR, add_docs_argument, corpus_lengths, make_corpus
+from plots import add_plot_argument, publish_result
 
 # bench_write.py's outputs, all byte-identical; the first that matches is used.
 CANDIDATES = ("ours_vectorised_text_document", "megatron_text_document", "ours_loop_text_document")
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=11, help="passes per reader, alternating (default 11)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the random sequence ids")
     parser.add_argument("--out-dir", default=OUT_DIR, help="where the shard and JSON are (default benchmarks/out)")
+    add_plot_argument(parser)
     args = parser.parse_args()
     out_dir = os.path.abspath(args.out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -190,6 +192,7 @@ def main() -> None:
     }
     with open(os.path.join(out_dir, "bench_read.json"), "w") as f:
         json.dump(result, f, indent=2)
+    publish_result("bench_read", result, not args.no_plot)
 
     print(environment_markdown(result["environment"]))
     print()

@@ -57,6 +57,7 @@ import numpy
 from bench_read import find_or_write_shard, warm
 from benchenv import environment, environment_markdown, git_state, load_average, spread
 from corpus import OUT_DIR, add_docs_argument
+from plots import add_plot_argument, publish_result
 
 SEQ_LENGTH = 2048
 SEED = 1234
@@ -1051,6 +1052,7 @@ def main() -> None:
     parser.add_argument("--max-wait", type=float, default=600, help="seconds to wait for a quiet machine per run")
     parser.add_argument("--out-dir", default=OUT_DIR, help="where the shard, caches and results go")
     parser.add_argument("--render", action="store_true", help="only rebuild bench_stream.md from bench_stream.json")
+    add_plot_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -1063,6 +1065,7 @@ def main() -> None:
             result = json.load(f)
         _summarise(result)
         _write_report(result, out_dir)
+        publish_result("bench_stream", result, not args.no_plot)
         return
     SETTINGS.update(retries=args.retries, max_wait=args.max_wait)
     parts = [p for p in args.parts.split(",") if p]
@@ -1116,6 +1119,7 @@ def main() -> None:
     with open(os.path.join(out_dir, "bench_stream.json"), "w") as f:
         json.dump(result, f, indent=2)
     _write_report(result, out_dir)
+    publish_result("bench_stream", result, not args.no_plot)
     bad = [row["epochs"] for row in result.get("build_summary", []) if not all(row["identical"])]
     if bad:
         raise SystemExit(f"index arrays differ from megatron-core's for epochs {bad}")

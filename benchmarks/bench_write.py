@@ -46,6 +46,7 @@ from benchenv import (
     vm_status,
 )
 from corpus import DTYPE, OUT_DIR, add_docs_argument, make_corpus
+from plots import add_plot_argument, publish_result
 
 WRITERS = ("megatron", "ours_vectorised", "ours_loop")
 # Not writers (no .idx): what writing the same 1 GB costs with nothing else around it.
@@ -351,6 +352,7 @@ def main() -> None:
         "--chunk-docs", type=int, default=0, help="documents per add_documents call (default: all in one)"
     )
     parser.add_argument("--out-dir", default=OUT_DIR, help="where shards and JSON go (default benchmarks/out)")
+    add_plot_argument(parser)
     parser.add_argument("--child", choices=(*VARIANTS, "baseline"), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -406,6 +408,7 @@ def main() -> None:
     print(environment_markdown(result["environment"]))
     print()
     print(_markdown(summary, identical, result))
+    publish_result("bench_write", result, not args.no_plot)
     if result["git"] != git_before:
         print("\nWARNING: the library changed during the run; the runs mix code versions.", file=sys.stderr)
     if not all(all(v) for v in identical.values()):
