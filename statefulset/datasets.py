@@ -109,6 +109,7 @@ def get_train_dataset(
 ) -> StreamDataset:
     """The training stream of a YAML spec (path, mapping or ``DatasetSpec``) for this rank; repeats by default."""
     _refuse_unknown(kwargs)
+    _refuse_task_encoder(task_encoder, batch_drop_last)
     wc = worker_config if worker_config is not None else WorkerConfig.default_worker_config()
     return StreamDataset(open_stream(path, _split(split_part)), batch_size, wc, repeat=repeat)
 
@@ -127,6 +128,7 @@ def get_val_dataset(
 ) -> StreamDataset:
     """The validation stream for this rank: one pass, never repeats; ``limit`` caps the batches."""
     _refuse_unknown(kwargs)
+    _refuse_task_encoder(task_encoder, batch_drop_last)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise StatefulsetError(f"limit must be a non-negative int or None, got {limit!r}")
     wc = worker_config if worker_config is not None else WorkerConfig.default_worker_config()
@@ -141,3 +143,15 @@ def _refuse_unknown(kwargs: dict[str, Any]) -> None:
     unknown = sorted(set(kwargs) - _IGNORED)
     if unknown:
         raise StatefulsetError(f"unknown keyword argument(s): {', '.join(unknown)}")
+
+
+def _refuse_task_encoder(task_encoder: Any, batch_drop_last: Any) -> None:
+    """Energon runs encoders per sample on webdataset fields; skipping one silently would train on other data."""
+    if task_encoder is not None:
+        raise StatefulsetError(
+            f"task_encoder={type(task_encoder).__name__}: statefulset yields packed token batches "
+            "(batch['text'], int64 [batch_size, seq_length + 1]) and runs no task encoder; apply your "
+            "encoding to the batch, or use Energon for webdataset samples"
+        )
+    if batch_drop_last not in (False, True):
+        raise StatefulsetError(f"batch_drop_last must be a bool, got {batch_drop_last!r}")

@@ -218,6 +218,8 @@ class SavableLoader:
             return [state]
         group = self.worker_config.data_parallel_group
         try:
+            if group is None and not 0 <= global_dst_rank < dist.get_world_size():
+                raise ValueError(global_dst_rank)  # torch only notices inside gloo, killing the ranks
             dist.get_group_rank(group if group is not None else dist.group.WORLD, global_dst_rank)
         except (ValueError, RuntimeError):
             raise StatefulsetError(

@@ -157,8 +157,10 @@ def fit_rank_state(state: Any, identity: dict[str, Any], dp_rank: int, dp_size: 
 
 def fit_global_state(states: Any, identity: dict[str, Any], dp_rank: int, dp_size: int, batch_size: int) -> Cursor:
     """The cursor for this rank from the states of every DP rank, possibly saved in another layout."""
-    if not isinstance(states, list | tuple) or not states:
-        raise StatefulsetError(f"global state: expected a non-empty list of rank states, got {type(states).__name__}")
+    if not isinstance(states, list | tuple):
+        raise StatefulsetError(f"global state: expected the list of every DP rank's state, got {type(states).__name__}")
+    if not states:
+        raise StatefulsetError("global state: the list of DP rank states is empty (one per rank expected)")
     for i, state in enumerate(states):
         check_state(state, f"global state, entry {i}")
         check_identity(state, identity, f"global state, entry {i}")
@@ -200,7 +202,8 @@ def decode(data: bytes) -> Any:
     try:
         value = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise StatefulsetError(f"state bytes are not a msgpack state: {exc}") from None
+        detail = str(exc) or type(exc).__name__
+        raise StatefulsetError(f"state bytes ({len(data)} bytes) are not a msgpack state: {detail}") from None
     if isinstance(value, list):
         for i, item in enumerate(value):
             check_state(item, f"decoded global state, entry {i}")

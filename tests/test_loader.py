@@ -198,6 +198,18 @@ def test_bad_arguments(spec):
         loader_for(spec, batch_size=0)
     with pytest.raises(StatefulsetError, match="unknown keyword"):
         get_train_dataset(spec, batch_size=2, worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), x=1)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    with pytest.raises(StatefulsetError, match="task_encoder=object: statefulset yields packed token batches"):
+        get_train_dataset(spec, batch_size=2, worker_config=wc, task_encoder=object())
+    with pytest.raises(StatefulsetError, match="task_encoder=object"):
+        get_val_dataset(spec, batch_size=2, worker_config=wc, task_encoder=object())
+    loader = loader_for(spec, batch_size=2)
+    with pytest.raises(StatefulsetError, match="list of DP rank states is empty"):
+        loader.restore_state_global([])
+    with pytest.raises(StatefulsetError, match="expected the list of every DP rank's state, got dict"):
+        loader.restore_state_global({})
+    with pytest.raises(StatefulsetError, match=r"state bytes \(2 bytes\) are not a msgpack state: FormatError"):
+        state_module.decode(b"\xc1\x00")
 
 
 # -- untrusted bytes: the state decoder ----------------------------------------------------------

@@ -621,3 +621,22 @@ def test_restore_after_iteration_started_is_refused(specs):
         # The refused restore changed nothing: the stream goes on from batch 1.
         assert first["sample_id"].tolist() == [0, 1, 2, 3]
         assert next(loader)["sample_id"].tolist() == [4, 5, 6, 7]
+
+
+def _save_to_a_rank_outside_the_world(rank: int, world: int, init_file: str, out: str) -> None:
+    init_rank(rank, world, init_file)
+    spec = torch.load(out + "/spec.pt")
+    loader = _loader(spec, rank, world, 0)  # data_parallel_group None: the world
+    try:
+        loader.save_state_global(global_dst_rank=5)
+        message = "no error"
+    except StatefulsetError as error:
+        message = str(error)
+    torch.save(message, f"{out}/{rank}.pt")
+
+
+def test_save_state_global_to_a_rank_outside_the_world_is_refused(tmp_path, specs):
+    torch.save(specs["native"], tmp_path / "spec.pt")
+    spawn(_save_to_a_rank_outside_the_world, 2, tmp_path, str(tmp_path))
+    for rank in range(2):
+        assert "global rank 5 is not in this rank's data_parallel_group" in _load(tmp_path / f"{rank}.pt")
