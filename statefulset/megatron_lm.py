@@ -24,6 +24,7 @@ Pieces:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 from collections.abc import Iterator, Mapping
@@ -118,17 +119,14 @@ class GPTBatchConfig:
     def from_gpt_dataset_config(cls, config: Any) -> GPTBatchConfig:
         """The batch options of a megatron-core ``GPTDatasetConfig`` (reads its tokenizer's eod and pad)."""
         tokenizer = getattr(config, "tokenizer", None)
-        try:
-            pad = tokenizer.pad if tokenizer is not None else MEGATRON_PAD_TOKEN
-        except Exception:  # megatron-core falls back the same way when the tokenizer has no pad
-            pad = MEGATRON_PAD_TOKEN
+        pad = _megatron_pad_token(tokenizer, bool(getattr(config, "allow_ambiguous_pad_tokens", False)))
         return cls(
             eod_token=getattr(tokenizer, "eod", None),
             reset_position_ids=bool(config.reset_position_ids),
             reset_attention_mask=bool(config.reset_attention_mask),
             eod_mask_loss=bool(config.eod_mask_loss),
             create_attention_mask=bool(getattr(config, "create_attention_mask", False)),
-            pad_token=MEGATRON_PAD_TOKEN if pad is None else pad,
+            pad_token=pad,
         )
 
     @classmethod
@@ -142,6 +140,32 @@ class GPTBatchConfig:
             create_attention_mask=bool(getattr(args, "create_attention_mask_in_dataloader", False)),
             pad_token=pad_token,
         )
+
+
+def _megatron_pad_token(tokenizer: Any, allow_ambiguous: bool) -> int:
+    """The pad id megatron-core's ``MegatronDataset`` settles on for ``tokenizer``.
+
+    Its rules: ``tokenizer.pad`` if the tokenizer has one, else -1; and -1 again when the pad id
+    collides with another special token (unless ``allow_ambiguous_pad_tokens``), so that real
+    EOD tokens are never masked as padding.
+    """
+    try:
+        pad = tokenizer.pad
+    except Exception:  # megatron-core catches everything here too
+        return MEGATRON_PAD_TOKEN
+    if pad is None:
+        return MEGATRON_PAD_TOKEN
+    try:
+        special = [v for k, v in tokenizer.special_tokens_dict.items() if k != "pad_token"]
+    except (AttributeError, IndexError, ValueError):
+        special = []
+    if not special:
+        for name in ("eos", "eod"):
+            with contextlib.suppress(AttributeError, NotImplementedError):
+                special.append(getattr(tokenizer, name))
+    if pad in special and not allow_ambiguous:
+        return MEGATRON_PAD_TOKEN
+    return pad
 
 
 def gpt_batch(text: torch.Tensor, config: GPTBatchConfig | None = None) -> dict[str, torch.Tensor]:

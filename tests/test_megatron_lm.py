@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import warnings
 
 import numpy
 import pytest
@@ -104,6 +105,30 @@ def test_gpt_batch_equals_megatron_core(eod_corpus, flags, pad):
         expected = torch.stack([item[key] for item in items])
         assert got[key].dtype == expected.dtype and got[key].shape == expected.shape, key
         assert torch.equal(got[key], expected), key
+
+
+def test_pad_token_follows_megatron_core(eod_corpus):
+    """A pad id that collides with EOD falls back to -1, as in megatron-core's MegatronDataset."""
+    gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.utils import Split
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    class EodPad(NullTokenizer):
+        @property
+        def pad(self):
+            return self.eod
+
+    for tokenizer, allow in ((EodPad(3), False), (EodPad(3), True), (NullTokenizer(3), False)):
+        config = gpt.GPTDatasetConfig(
+            random_seed=7, sequence_length=16, tokenizer=tokenizer, reset_position_ids=False,
+            reset_attention_mask=False, eod_mask_loss=False, blend=([eod_corpus], None), split="1",
+            allow_ambiguous_pad_tokens=allow,
+        )  # fmt: skip
+        theirs = gpt.GPTDataset.__new__(gpt.GPTDataset)
+        with warnings.catch_warnings():  # megatron-core warns about the collision
+            warnings.simplefilter("ignore")
+            super(gpt.GPTDataset, theirs).__init__(None, None, numpy.arange(1), None, Split.train, config)
+        assert GPTBatchConfig.from_gpt_dataset_config(config).pad_token == theirs._pad_token_id
 
 
 def test_batch_config_checks_its_fields():
