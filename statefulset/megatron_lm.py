@@ -291,7 +291,8 @@ class MegatronIterator:
 
     def _next_raw(self) -> dict[str, torch.Tensor]:
         if self.receive:
-            assert self.link is not None  # set by the builder with receive=True
+            if self.link is None:
+                raise StatefulsetError(f"{self.split} iterator: a receiving iterator needs a StageLink")
             return self.link.recv()
         if self._source is None:
             self._source = iter(self.loader)
@@ -440,7 +441,8 @@ class MegatronData:
             batch = broadcast_batch(
                 batch, self._specs(keys), src=self.info.tp_src_rank, group=self.groups.get("tp"), device=device
             )
-        assert batch is not None  # holds or broadcast
+        if batch is None:  # unreachable: a rank either holds the batch or receives the broadcast
+            raise StatefulsetError(f"get_batch: rank {self.info.global_rank} got no batch")
         return GPTBatch(
             tokens=batch.get("tokens"),
             labels=batch.get("labels"),
