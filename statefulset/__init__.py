@@ -4,6 +4,8 @@ from .datasets import StreamDataset, get_train_dataset, get_val_dataset
 from .errors import StatefulsetError
 from .indexed import IndexedDataset
 from .loader import Loader, SavableLoader, get_loader, get_savable_loader
+from .megatron_lm import GPTBatchConfig, MegatronData, MegatronIterator, build_megatron_iterators, gpt_batch
+from .nanotron import NanotronDataLoader, build_nanotron_dataloader
 from .parallel import ParallelLayout, PlaceholderLoader, create_data_parallel_groups, create_parallel_groups
 from .spec import DatasetSpec, load_spec
 from .stream import SampleStream, open_stream
@@ -12,9 +14,13 @@ from .writer import IndexedDatasetWriter, merge_datasets
 
 __all__ = [
     "DatasetSpec",
+    "GPTBatchConfig",
     "IndexedDataset",
     "IndexedDatasetWriter",
     "Loader",
+    "MegatronData",
+    "MegatronIterator",
+    "NanotronDataLoader",
     "ParallelLayout",
     "PlaceholderLoader",
     "SampleStream",
@@ -22,12 +28,15 @@ __all__ = [
     "StatefulsetError",
     "StreamDataset",
     "WorkerConfig",
+    "build_megatron_iterators",
+    "build_nanotron_dataloader",
     "create_data_parallel_groups",
     "create_parallel_groups",
     "get_loader",
     "get_savable_loader",
     "get_train_dataset",
     "get_val_dataset",
+    "gpt_batch",
     "load_spec",
     "merge_datasets",
     "open_stream",
