@@ -372,9 +372,8 @@ class StatefulsetDataModule(pl.LightningDataModule):
             "pass data_parallel_group so state_dict() can gather every DP rank's loader state"
         )
 
-    def _gather_loader_states(self) -> list[dict[str, Any]]:
-        assert self._train_loader is not None  # internal: only called with a loader
-        state = self._train_loader.save_state_rank()
+    def _gather_loader_states(self, loader: SavableLoader) -> list[dict[str, Any]]:
+        state = loader.save_state_rank()
         dp_rank, dp_size = self.data_parallel()
         if dp_size == 1:
             return [state]
@@ -401,7 +400,7 @@ class StatefulsetDataModule(pl.LightningDataModule):
         as ``trainer.save_checkpoint`` and ``ModelCheckpoint`` do.
         """
         if self._train_loader is not None:
-            states: list[dict[str, Any]] | None = self._gather_loader_states()
+            states: list[dict[str, Any]] | None = self._gather_loader_states(self._train_loader)
         elif self._pending is not None and self._pending[0] == "states":
             states = self._pending[1]  # restored, not yet iterated: hand the same states on
         else:
