@@ -202,6 +202,18 @@ class StatefulsetDataModule(pl.LightningDataModule):
         self._pending: tuple[str, Any] | None = None  # a restore waiting for the training loader
         self._handed_out: weakref.WeakSet[StageLoader] = weakref.WeakSet()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (``ddp_spawn`` sends the data module to its processes): loaders travel as their state."""
+        state = dict(self.__dict__)
+        if self._train_loader is not None:
+            state["_pending"] = ("rank", self._train_loader.save_state_rank())
+        state.update(_train_loader=None, _eval_loaders={}, _handed_out=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._handed_out = weakref.WeakSet()
+
     # -- who we are ------------------------------------------------------------------------------
     def _trainer(self) -> Any:
         return getattr(self, "trainer", None)
@@ -307,6 +319,8 @@ class StatefulsetDataModule(pl.LightningDataModule):
                 kind, value = self._pending
                 if kind == "states":
                     loader.restore_state_global(value)
+                elif kind == "rank":
+                    loader.restore_state_rank(value)
                 else:
                     loader.restore_consumed_samples(value)
         self._pending = None

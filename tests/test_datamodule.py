@@ -239,6 +239,18 @@ def test_nemo_consumed_samples_state_resumes_megatron_style(spec):
         assert ids(dm.train_dataloader(), 2) == [[40 + (t * 2 + rank) * B + j for j in range(B)] for t in range(2)]
 
 
+def test_pickles_with_its_position(spec):
+    """``ddp_spawn`` pickles the data module: a copy continues the training stream where the original is."""
+    import pickle
+
+    dm = StatefulsetDataModule(spec, micro_batch_size=B, num_workers=1, limit_val_batches=1)
+    assert ids(dm.train_dataloader(), 3) == layout(range(3))
+    ids(dm.val_dataloader(), 1)
+    copy = pickle.loads(pickle.dumps(dm))
+    assert ids(copy.train_dataloader(), 2) == layout(range(3, 5))
+    assert ids(copy.val_dataloader(), 1) == layout(range(1))
+
+
 def test_state_dict_is_plain_data(spec, tmp_path):
     dm = StatefulsetDataModule(spec, micro_batch_size=B, num_workers=0)
     ids(dm.train_dataloader(), 3)
