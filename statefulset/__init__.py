@@ -42,3 +42,12 @@ __all__ = [
     "open_stream",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The Lightning data module imports lightning (seconds, and an optional extra): only on use.
+    if name == "StatefulsetDataModule":
+        from .datamodule import StatefulsetDataModule
+
+        return StatefulsetDataModule
+    raise AttributeError(f"module 'statefulset' has no attribute {name!r}")
