@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .datasets import get_train_dataset, get_val_dataset
 from .errors import StatefulsetError
 from .loader import SavableLoader, get_loader, get_savable_loader
-from .parallel import ParallelLayout, RankInfo, create_parallel_groups
+from .parallel import ParallelLayout, RankInfo, create_parallel_groups, raise_on_every_rank
 from .pipeline import LINK_TAG, StageLink, TensorSpec, broadcast_batch
 from .spec import DatasetSpec, load_spec
 from .state import check_identity, check_state, cursor_of
@@ -507,19 +507,6 @@ def _restore_train(
         loader.restore_consumed_samples(cursor.consumed)
 
 
-def _agree(errors: list[str | None], group: Any = None) -> None:
-    """Raise on every rank when any rank failed: a lone failing rank would leave its peers hanging."""
-    mine = "; ".join(e for e in errors if e) or None
-    if dist.is_available() and dist.is_initialized():
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-    else:
-        gathered = [mine]
-    failed = [g for g in gathered if g]
-    if failed:
-        raise StatefulsetError(failed[0] if len(failed) == 1 else f"{failed[0]} (and {len(failed) - 1} more)")
-
-
 def build_megatron_iterators(
     spec: str | os.PathLike[str] | Mapping[str, Any] | DatasetSpec,
     layout: ParallelLayout,
@@ -644,7 +631,7 @@ def build_megatron_iterators(
             built[split] = MegatronIterator(split, format, config, loader=loader, link=link, cyclic=split != "train")
         except StatefulsetError as error:
             errors.append(f"rank {rank}: {error}" if not str(error).startswith("rank ") else str(error))
-    _agree(errors)
+    raise_on_every_rank(errors)
     return MegatronData(
         train=built["train"],
         valid=built["valid"],

@@ -53,7 +53,7 @@ import torch
 from .datasets import get_train_dataset
 from .errors import StatefulsetError
 from .loader import SavableLoader, get_savable_loader
-from .parallel import ParallelLayout, RankInfo, create_parallel_groups
+from .parallel import ParallelLayout, RankInfo, create_parallel_groups, raise_on_every_rank
 from .pipeline import StageLink, TensorSpec
 from .spec import DatasetSpec, load_spec
 from .workers import WorkerConfig
@@ -489,8 +489,14 @@ def build_nanotron_dataloader(
             raise StatefulsetError(f"{where}: {name} {value} is outside the pipeline [0, pp {layout.pp})")
     depth = n_micro + layout.pp if send_depth is None else _int("send_depth", send_depth, 1, where)
     info = layout.rank_info(rank)
+    # Errors only some ranks can see are raised on every rank (raise_on_every_rank below), after
+    # every rank has passed the same collectives, so none is left waiting for a peer that gave up.
+    errors: list[str | None] = []
     if context is not None:
-        _check_context_groups(context, info)
+        try:
+            _check_context_groups(context, info)
+        except StatefulsetError as error:
+            errors.append(str(error))
         if data_parallel_group is None:
             data_parallel_group = getattr(context, "dp_pg", None)
 
@@ -521,20 +527,27 @@ def build_nanotron_dataloader(
     loader = None
     link = None
     pipeline = info.pp_group_ranks
-    if info.pp_rank == input_pp_rank:
-        wc = WorkerConfig(
-            rank=info.dp_rank,
-            world_size=info.dp_size,
-            num_workers=_int("num_workers", num_workers, 0, where),
-            data_parallel_group=data_parallel_group,
-            seed_offset=seed_offset,
-        )
-        dataset = get_train_dataset(parsed, batch_size=micro_batch_size, worker_config=wc)
-        if dataset.stream.seq_length != seq_length:  # pragma: no cover - the stream is built from the same spec
-            raise StatefulsetError(f"{where}: stream seq_length {dataset.stream.seq_length} != spec {seq_length}")
-        loader = get_savable_loader(dataset, **loader_options)
-        if consumed:
-            loader.restore_consumed_samples(consumed)
+    if info.pp_rank == input_pp_rank and not errors:
+        try:
+            wc = WorkerConfig(
+                rank=info.dp_rank,
+                world_size=info.dp_size,
+                num_workers=_int("num_workers", num_workers, 0, where),
+                data_parallel_group=data_parallel_group,
+                seed_offset=seed_offset,
+            )
+            dataset = get_train_dataset(parsed, batch_size=micro_batch_size, worker_config=wc)
+            loader = get_savable_loader(dataset, **loader_options)
+            if consumed:
+                loader.restore_consumed_samples(consumed)
+        except StatefulsetError as error:
+            errors.append(f"rank {rank}: {error}")
+    if distributed:
+        # Only input stages open shards: without this, a corrupt shard would leave the output
+        # stage waiting for labels until the gloo timeout instead of failing with the reason.
+        raise_on_every_rank(errors)
+    elif errors:
+        raise StatefulsetError(errors[0])
     specs = (
         TensorSpec("text", (micro_batch_size, seq_length + 1), torch.int64),
         TensorSpec("sample_id", (micro_batch_size,), torch.int64),

@@ -54,6 +54,7 @@ __all__ = [
     "RankInfo",
     "create_data_parallel_groups",
     "create_parallel_groups",
+    "raise_on_every_rank",
 ]
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -360,6 +361,26 @@ def create_data_parallel_groups(layout: ParallelLayout, backend: str | None = No
     Pass the result as ``WorkerConfig(data_parallel_group=...)``.
     """
     return create_parallel_groups(layout, ("dp",), backend)["dp"]
+
+
+def raise_on_every_rank(errors: Sequence[str | None], group: Any = None) -> None:
+    """A collective: raise ``StatefulsetError`` on every rank of ``group`` when any rank had an error.
+
+    A builder that fails on one rank (a corrupt shard, a state that does not fit) would leave its
+    peers waiting in their next collective until a timeout; this turns that into the same error
+    everywhere, naming the rank. Without torch.distributed it raises this rank's own errors.
+    """
+    import torch.distributed as dist
+
+    mine = "; ".join(e for e in errors if e) or None
+    if dist.is_available() and dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+    else:
+        gathered = [mine]
+    failed = [g for g in gathered if g]
+    if failed:
+        raise StatefulsetError(failed[0] if len(failed) == 1 else f"{failed[0]} (and {len(failed) - 1} more)")
 
 
 class PlaceholderLoader:

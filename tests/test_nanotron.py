@@ -202,11 +202,11 @@ def test_pp3_middle_stage_pointers_state_dict_and_elastic_count(tmp_path, spec):
                 assert mb["sample_id"].tolist() == [first, first + 1]
         role = {0: "input", 1: "pointers", 2: "output"}[info.pp_rank]
         assert f"role={role}" in got["repr"]
-        if rank in (0, 3):  # their ranks in the swapped groups happen to equal their coordinates
-            assert "wrong_context" not in got
-        else:
-            assert f"global rank {rank} is " in got["wrong_context"]
-            assert "the context uses another layout" in got["wrong_context"]
+        # Ranks 1, 2, 4, 5 see the swap (0 and 3 have group ranks equal to their coordinates);
+        # every rank raises, naming the first rank that saw it and counting the others.
+        assert "global rank 1 is " in got["wrong_context"], got["wrong_context"]
+        assert "the context uses another layout" in got["wrong_context"]
+        assert got["wrong_context"].endswith("(and 3 more)")
 
 
 # --- one process: TP1 PP1, DP2 -> DP1 resume, state, bad inputs ---------------------------------
@@ -321,3 +321,23 @@ def test_bad_spec_raises_before_any_role(tmp_path):
     (tmp_path / "bad.yaml").write_text("seq_length: 16\nbogus: 1\n")
     with pytest.raises(StatefulsetError, match="bogus"):
         build_nanotron_dataloader(str(tmp_path / "bad.yaml"), ParallelLayout(1), micro_batch_size=2)
+
+
+def _corrupt_shard(rank: int, world: int, init_file: str, spec: str, out: str) -> None:
+    init_rank(rank, world, init_file)
+    try:
+        build_nanotron_dataloader(spec, ParallelLayout(world, pp=2), micro_batch_size=2)
+        message = "built"
+    except StatefulsetError as error:
+        message = str(error)
+    torch.save(message, f"{out}/{rank}.pt")
+
+
+def test_a_corrupt_shard_fails_every_stage_instead_of_hanging_the_output_stage(tmp_path):
+    path = demo_spec(str(tmp_path / "corpus"), documents=60, seq_length=SEQ)
+    idx = next(p for p in (tmp_path / "corpus").iterdir() if p.name.startswith("part_a") and p.suffix == ".idx")
+    idx.write_bytes(idx.read_bytes()[:-8])  # only the input stage opens shards
+    spawn(_corrupt_shard, 2, tmp_path, path, str(tmp_path))
+    for rank in range(2):
+        message = torch.load(tmp_path / f"{rank}.pt")
+        assert message.startswith("rank 0: ") and idx.name in message, message
