@@ -8,31 +8,18 @@ from __future__ import annotations
 import os
 import tempfile
 
-import numpy
 import torch
-import yaml
 
-from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset.demo import demo_spec
 
 
 def main() -> None:
     folder = tempfile.mkdtemp(prefix="statefulset-quickstart-")
-    rng = numpy.random.default_rng(0)
-    for name in ("web", "code"):  # two tiny corpora of random token ids
-        with IndexedDatasetWriter(os.path.join(folder, f"{name}_text_document")) as writer:
-            for _ in range(500):
-                writer.add_document(rng.integers(0, 50000, int(rng.geometric(1 / 200))))
-    spec = os.path.join(folder, "dataset.yaml")
-    with open(spec, "w") as f:
-        yaml.safe_dump(
-            {
-                "data_path": {"web_text_document": 0.7, "code_text_document": 0.3},
-                "seq_length": 256,
-                "split": "98,2,0",
-                "packing": "native",  # or megatron (add num_samples for a weighted blend)
-            },
-            f,
-        )
+    # The built-in corpus: two byte-tokenised shards (blend 0.7 / 0.3) and a YAML spec.
+    spec = demo_spec(folder, packing="native", seq_length=256)
+    with open(spec, encoding="utf-8") as f:
+        print(f.read().strip())
 
     def make_loader(num_workers: int):
         wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers)
