@@ -245,6 +245,14 @@ def stream_comparisons(result: dict[str, Any]) -> list[Comparison]:
                 _median(variants["ours_megatron"]["seconds_per_batch"]),
             )
         )
+    if "megatron_getitem" in variants and "ours_native" in variants:
+        out.append(
+            Comparison(
+                "batch of 8 (native packing)\nvs GPTDataset[i] loop",
+                _median(variants["megatron_getitem"]["seconds_per_batch"]),
+                _median(variants["ours_native"]["seconds_per_batch"]),
+            )
+        )
     return _finite(out)
 
 
