@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 
 from .datasets import get_train_dataset, get_val_dataset
-from .errors import StatefulsetError
+from .errors import StatefulsetError, check_int
 from .loader import Loader, SavableLoader, get_loader, get_savable_loader
 from .spec import DatasetSpec, load_spec
 from .state import check_state
@@ -62,17 +62,6 @@ pl = _import_lightning()
 FORMAT = "statefulset.datamodule"
 VERSION = 1
 _LOADER_OPTIONS = {"prefetch_factor", "pin_memory", "persistent_workers", "multiprocessing_context", "timeout"}
-
-
-def _positive_int(name: str, value: Any, low: int = 1, allow_none: bool = False) -> Any:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        kind = "a positive int" if low == 1 else f"an int >= {low}"
-        raise StatefulsetError(
-            f"StatefulsetDataModule: {name} must be {kind}{' or None' if allow_none else ''}, got {value!r}"
-        )
-    return value
 
 
 class StageLoader:
@@ -172,16 +161,17 @@ class StatefulsetDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self.spec = spec if isinstance(spec, DatasetSpec) else load_spec(spec)
-        self.micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
-        self._global_batch_size = _positive_int("global_batch_size", global_batch_size, allow_none=True)
-        self.num_workers = _positive_int("num_workers", num_workers, low=0)
-        self.limit_val_batches = _positive_int("limit_val_batches", limit_val_batches, low=0, allow_none=True)
-        self.seed_offset = _positive_int("seed_offset", seed_offset, low=0)
+        where = "StatefulsetDataModule"
+        self.micro_batch_size = check_int("micro_batch_size", micro_batch_size, 1, where)
+        self._global_batch_size = check_int("global_batch_size", global_batch_size, 1, where, none_ok=True)
+        self.num_workers = check_int("num_workers", num_workers, 0, where)
+        self.limit_val_batches = check_int("limit_val_batches", limit_val_batches, 0, where, none_ok=True)
+        self.seed_offset = check_int("seed_offset", seed_offset, 0, where)
         if (dp_rank is None) != (dp_size is None):
             raise StatefulsetError("StatefulsetDataModule: give both dp_rank and dp_size, or neither")
         if dp_size is not None:
-            _positive_int("dp_size", dp_size)
-            _positive_int("dp_rank", dp_rank, low=0)
+            check_int("dp_size", dp_size, 1, where)
+            check_int("dp_rank", dp_rank, 0, where)
             if dp_rank >= dp_size:
                 raise StatefulsetError(f"StatefulsetDataModule: dp_rank {dp_rank} is outside dp_size {dp_size}")
         self._explicit_dp = (dp_rank, dp_size) if dp_size is not None else None

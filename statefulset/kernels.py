@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import operator
 import os
 import platform
 import secrets
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import numpy
 
-from .errors import StatefulsetError
+from .errors import StatefulsetError, check_int
 
 __all__ = ["available", "blending_indices", "exhaustive_blending_indices", "sample_index"]
 
@@ -193,17 +192,6 @@ def _pick(native: bool | None) -> ctypes.CDLL | None:
 # --------------------------------------------------------------------------- argument checks
 
 
-def _integer(name: str, value: object, low: int, high: int | None = None) -> int:
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise StatefulsetError(f"{name} must be an integer, got {value!r}") from None
-    if number < low or (high is not None and number > high):
-        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise StatefulsetError(f"{name} must be {bounds}, got {number}")
-    return number
-
-
 def _integer_array(name: str, value: object) -> numpy.ndarray:
     array = numpy.asarray(value)
     if array.ndim != 1 or array.dtype.kind not in "iu":
@@ -258,10 +246,10 @@ def sample_index(
     """
     lengths = _integer_array("sequence_lengths", sequence_lengths)
     documents = _integer_array("document_index", document_index)
-    seq_length = _integer("seq_length", seq_length, 1, _INT32_MAX)
-    epochs = _integer("epochs", epochs, 1, _INT32_MAX)
-    tokens_per_epoch = _integer("tokens_per_epoch", tokens_per_epoch, 1)
-    extra = _integer("extra", extra, 0, 1)
+    seq_length = check_int("seq_length", seq_length, 1, high=_INT32_MAX)
+    epochs = check_int("epochs", epochs, 1, high=_INT32_MAX)
+    tokens_per_epoch = check_int("tokens_per_epoch", tokens_per_epoch, 1)
+    extra = check_int("extra", extra, 0, high=1)
     drop_last_partial = bool(drop_last_partial)
     expected = epochs * tokens_per_epoch
     if expected <= extra or expected >= _MAX_EXACT:
@@ -397,7 +385,7 @@ def blending_indices(
     weights are used as given (not normalised).
     """
     array = _weights(weights)
-    size = _integer("size", size, 0)
+    size = check_int("size", size, 0)
     lib = _pick(native)
     if lib is None:
         ids, samples = _blending_python(array.tolist(), size)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .datasets import get_train_dataset, get_val_dataset
-from .errors import StatefulsetError
+from .errors import StatefulsetError, check_int
 from .loader import SavableLoader, get_loader, get_savable_loader
 from .parallel import ParallelLayout, RankInfo, create_parallel_groups, raise_on_every_rank
 from .pipeline import LINK_TAG, StageLink, TensorSpec, broadcast_batch
@@ -465,12 +465,6 @@ class MegatronData:
                 iterator.flush()
 
 
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise StatefulsetError(f"build_megatron_iterators: {name} must be a positive int, got {value!r}")
-    return value
-
-
 def _unwrap_state(state: Any) -> Any:
     """Accept the loader state or the whole ``train_dataloader_dprank*.pt`` dict Megatron writes."""
     if isinstance(state, Mapping) and set(state) == {"dataloader_state_dict"}:
@@ -560,7 +554,7 @@ def build_megatron_iterators(
             f"{dist.get_world_size()}"
         )
     info = layout.rank_info(rank)
-    micro_batch_size = _positive("micro_batch_size", micro_batch_size)
+    micro_batch_size = check_int("micro_batch_size", micro_batch_size, 1, "build_megatron_iterators")
     if tensor_parallel not in ("broadcast", "read"):
         raise StatefulsetError(
             f"build_megatron_iterators: tensor_parallel must be 'broadcast' or 'read', got {tensor_parallel!r}"

@@ -42,7 +42,6 @@ into any DP size, micro-batch size or accumulation count; see :func:`build_nanot
 from __future__ import annotations
 
 import inspect
-import operator
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from .datasets import get_train_dataset
-from .errors import StatefulsetError
+from .errors import StatefulsetError, check_int
 from .loader import SavableLoader, get_savable_loader
 from .parallel import ParallelLayout, RankInfo, create_parallel_groups, raise_on_every_rank
 from .pipeline import StageLink, TensorSpec
@@ -87,18 +86,6 @@ _STATE_VERSION = 1
 _LOADER_OPTIONS = frozenset(inspect.signature(get_savable_loader).parameters) - {"dataset", "worker_config"}
 
 
-def _int(name: str, value: Any, low: int, where: str) -> int:
-    if isinstance(value, bool):
-        raise StatefulsetError(f"{where}: {name} must be an integer >= {low}, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise StatefulsetError(f"{where}: {name} must be an integer >= {low}, got {value!r}") from None
-    if number < low:
-        raise StatefulsetError(f"{where}: {name} must be an integer >= {low}, got {number}")
-    return number
-
-
 def _sequence_slice(seq_length: int, cp_rank: int, cp_size: int) -> slice:
     """Nanotron's context-parallel slice: CP rank ``c`` keeps ``[c*S//cp, (c+1)*S//cp)``."""
     return slice(cp_rank * seq_length // cp_size, (cp_rank + 1) * seq_length // cp_size)
@@ -123,8 +110,8 @@ def clm_micro_batch(
     ``text`` may be None on a rank that is neither input nor output stage.
     """
     where = f"clm_micro_batch (pp_rank {pp_rank})"
-    cp_size = _int("cp_size", cp_size, 1, where)
-    cp_rank = _int("cp_rank", cp_rank, 0, where)
+    cp_size = check_int("cp_size", cp_size, 1, where)
+    cp_rank = check_int("cp_rank", cp_rank, 0, where)
     if cp_rank >= cp_size:
         raise StatefulsetError(f"{where}: cp_rank {cp_rank} is outside [0, cp_size {cp_size})")
     out: dict[str, Any] = {
@@ -182,9 +169,9 @@ def layout_from_parallel_context(context: Any) -> ParallelLayout:
     for attr in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         if not hasattr(context, attr):
             raise StatefulsetError(f"{where}: the parallel context has no attribute {attr!r}")
-        sizes[attr] = _int(attr, getattr(context, attr), 1, where)
-    cp = _int("context_parallel_size", getattr(context, "context_parallel_size", 1), 1, where)
-    ep = _int("expert_parallel_size", getattr(context, "expert_parallel_size", 1), 1, where)
+        sizes[attr] = check_int(attr, getattr(context, attr), 1, where)
+    cp = check_int("context_parallel_size", getattr(context, "context_parallel_size", 1), 1, where)
+    ep = check_int("expert_parallel_size", getattr(context, "expert_parallel_size", 1), 1, where)
     if ep != 1:
         raise StatefulsetError(f"{where}: expert_parallel_size {ep} is not supported (dense data path only)")
     tp, pp, dp = sizes["tensor_parallel_size"], sizes["pipeline_parallel_size"], sizes["data_parallel_size"]
@@ -355,7 +342,7 @@ class NanotronDataLoader:
             raise StatefulsetError(f"{where}: this loader has already yielded micro-batches; restore into a fresh one")
         if not isinstance(state, Mapping) or state.get("nanotron_loader") != _STATE_VERSION:
             raise StatefulsetError(f"{where}: not a statefulset Nanotron loader state (version {_STATE_VERSION})")
-        consumed = _int("consumed_train_samples", state.get("consumed_train_samples"), 0, where)
+        consumed = check_int("consumed_train_samples", state.get("consumed_train_samples"), 0, where)
         if state.get("dp_size") != self.info.dp_size:
             raise StatefulsetError(
                 f"{where}: state saved with dp_size {state.get('dp_size')!r}, this job has {self.info.dp_size}; "
@@ -471,23 +458,23 @@ def build_nanotron_dataloader(
         )
     if rank is None:
         rank = dist.get_rank() if distributed else 0
-    rank = _int("rank", rank, 0, where)
+    rank = check_int("rank", rank, 0, where)
     if rank >= layout.world_size:
         raise StatefulsetError(f"{where}: rank {rank} is outside [0, world_size {layout.world_size})")
     if distributed and rank != dist.get_rank():
         raise StatefulsetError(f"{where}: rank {rank} was passed but torch.distributed says {dist.get_rank()}")
     where = f"{where} (global rank {rank})"
-    micro_batch_size = _int("micro_batch_size", micro_batch_size, 1, where)
-    n_micro = _int("n_micro_batches_per_batch", n_micro_batches_per_batch, 1, where)
-    consumed = _int("consumed_train_samples", consumed_train_samples, 0, where)
+    micro_batch_size = check_int("micro_batch_size", micro_batch_size, 1, where)
+    n_micro = check_int("n_micro_batches_per_batch", n_micro_batches_per_batch, 1, where)
+    consumed = check_int("consumed_train_samples", consumed_train_samples, 0, where)
     if consumed >= 2**62:
         raise StatefulsetError(f"{where}: consumed_train_samples {consumed} is beyond any stream (>= 2**62)")
-    input_pp_rank = _int("input_pp_rank", input_pp_rank, 0, where)
-    output_pp_rank = layout.pp - 1 if output_pp_rank is None else _int("output_pp_rank", output_pp_rank, 0, where)
+    input_pp_rank = check_int("input_pp_rank", input_pp_rank, 0, where)
+    output_pp_rank = layout.pp - 1 if output_pp_rank is None else check_int("output_pp_rank", output_pp_rank, 0, where)
     for name, value in (("input_pp_rank", input_pp_rank), ("output_pp_rank", output_pp_rank)):
         if value >= layout.pp:
             raise StatefulsetError(f"{where}: {name} {value} is outside the pipeline [0, pp {layout.pp})")
-    depth = n_micro + layout.pp if send_depth is None else _int("send_depth", send_depth, 1, where)
+    depth = n_micro + layout.pp if send_depth is None else check_int("send_depth", send_depth, 1, where)
     info = layout.rank_info(rank)
     # Errors only some ranks can see are raised on every rank (raise_on_every_rank below), after
     # every rank has passed the same collectives, so none is left waiting for a peer that gave up.
@@ -503,7 +490,7 @@ def build_nanotron_dataloader(
     # Every rank parses the spec (no shard reads), so a bad spec fails on every rank, not only where data is read.
     parsed = spec if isinstance(spec, DatasetSpec) else load_spec(spec)
     seq_length = parsed.seq_length
-    if sequence_length is not None and _int("sequence_length", sequence_length, 1, where) != seq_length:
+    if sequence_length is not None and check_int("sequence_length", sequence_length, 1, where) != seq_length:
         raise StatefulsetError(
             f"{where}: sequence_length {sequence_length} (the trainer's tokens.sequence_length) differs from the "
             f"spec's seq_length {seq_length}"
@@ -532,7 +519,7 @@ def build_nanotron_dataloader(
             wc = WorkerConfig(
                 rank=info.dp_rank,
                 world_size=info.dp_size,
-                num_workers=_int("num_workers", num_workers, 0, where),
+                num_workers=check_int("num_workers", num_workers, 0, where),
                 data_parallel_group=data_parallel_group,
                 seed_offset=seed_offset,
             )

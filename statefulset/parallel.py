@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import StatefulsetError
+from .errors import StatefulsetError, check_int
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -61,18 +61,6 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _DIMS = ("tp", "cp", "ep", "dp", "pp")
 # Dimensions of the dense layout; "ep" only exists in the expert layout (see module docstring).
 _DENSE_DIMS = ("tp", "cp", "dp", "pp")
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise StatefulsetError(f"ParallelLayout: {name} must be a positive integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise StatefulsetError(f"ParallelLayout: {name} must be a positive integer, got {value!r}") from None
-    if number < 1:
-        raise StatefulsetError(f"ParallelLayout: {name} must be a positive integer, got {number}")
-    return number
 
 
 def _digits(index: int, sizes: Sequence[int]) -> list[int]:
@@ -192,11 +180,11 @@ class ParallelLayout:
     _expert: _Grid = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        world = _positive_int("world_size", self.world_size)
-        tp = _positive_int("tp", self.tp)
-        pp = _positive_int("pp", self.pp)
-        cp = _positive_int("cp", self.cp)
-        ep = _positive_int("ep", self.ep)
+        world = check_int("world_size", self.world_size, 1, "ParallelLayout")
+        tp = check_int("tp", self.tp, 1, "ParallelLayout")
+        pp = check_int("pp", self.pp, 1, "ParallelLayout")
+        cp = check_int("cp", self.cp, 1, "ParallelLayout")
+        ep = check_int("ep", self.ep, 1, "ParallelLayout")
         if not isinstance(self.order, str):
             raise StatefulsetError(f"ParallelLayout: order must be a string like {DEFAULT_ORDER!r}, got {self.order!r}")
         order = self.order.strip().lower()

@@ -10,16 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import StatefulsetError
+from .errors import StatefulsetError, check_int
 from .permutation import derive_key
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise StatefulsetError(f"WorkerConfig: {name} must be an int, got {value!r}")
-    if value < low:
-        raise StatefulsetError(f"WorkerConfig: {name} must be at least {low}, got {value}")
-    return value
 
 
 @dataclass(kw_only=True, eq=False)
@@ -39,10 +31,10 @@ class WorkerConfig:
     worker_log_level: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("world_size", self.world_size, 1)
-        _check_int("rank", self.rank, 0)
-        _check_int("num_workers", self.num_workers, 0)
-        _check_int("seed_offset", self.seed_offset, 0)
+        check_int("world_size", self.world_size, 1, "WorkerConfig")
+        check_int("rank", self.rank, 0, "WorkerConfig")
+        check_int("num_workers", self.num_workers, 0, "WorkerConfig")
+        check_int("seed_offset", self.seed_offset, 0, "WorkerConfig")
         if self.rank >= self.world_size:
             raise StatefulsetError(f"WorkerConfig: rank {self.rank} is outside [0, world_size {self.world_size})")
 

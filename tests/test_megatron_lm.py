@@ -212,7 +212,7 @@ def test_bad_inputs_name_the_field(spec, tmp_path):
     build = build_megatron_iterators
     with pytest.raises(StatefulsetError, match="tensor_parallel must be 'broadcast' or 'read'"):
         build(spec, layout, 0, micro_batch_size=B, tensor_parallel="scatter")
-    with pytest.raises(StatefulsetError, match="micro_batch_size must be a positive int"):
+    with pytest.raises(StatefulsetError, match="micro_batch_size must be an integer >= 1"):
         build(spec, layout, 0, micro_batch_size=0)
     with pytest.raises(StatefulsetError, match="consumed_train_samples must be a non-negative int"):
         build(spec, layout, 0, micro_batch_size=B, consumed_train_samples=-4)
