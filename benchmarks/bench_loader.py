@@ -65,7 +65,7 @@ import warnings
 from typing import Any
 
 from bench_read import find_or_write_shard, warm
-from benchenv import environment, environment_markdown, git_state, load_average, spread
+from benchenv import busy_cpu_s, environment, environment_markdown, git_state, load_average, spread, wait_for_quiet
 from corpus import OUT_DIR, add_docs_argument
 from plots import add_plot_argument, publish_result
 
@@ -342,30 +342,9 @@ def run_child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the parent side -----------------------------------------------------------------------------
-def _busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all processes, from /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
 def _children_cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
-
-
-def wait_for_quiet(max_wait: float, threshold: float) -> float:
-    """Wait (up to ``max_wait`` s) until other processes use less than ``threshold`` cores; returns seconds waited."""
-    start = time.perf_counter()
-    while True:
-        b0, t0 = _busy_cpu_s(), time.perf_counter()
-        time.sleep(1.0)
-        used = (_busy_cpu_s() - b0) / (time.perf_counter() - t0)
-        waited = time.perf_counter() - start
-        if used < threshold or waited > max_wait:
-            return waited
-        time.sleep(4.0)
 
 
 def spawn(job: dict[str, Any], quiet: dict[str, float] | None = None) -> dict[str, Any]:
@@ -379,13 +358,13 @@ def spawn(job: dict[str, Any], quiet: dict[str, float] | None = None) -> dict[st
     for attempt in range(1 + int(quiet["retries"] if quiet else 0)):
         waited = wait_for_quiet(quiet["max_wait"], quiet["limit"]) if quiet else 0.0
         load = load_average()
-        busy0, own0, t0 = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
+        busy0, own0, t0 = busy_cpu_s(), _children_cpu_s(), time.perf_counter()
         cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(job)]
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
         wall = time.perf_counter() - t0
         own = _children_cpu_s() - own0
         result = json.loads(out.strip().splitlines()[-1])
-        foreign = max(_busy_cpu_s() - busy0 - own, 0.0) / wall
+        foreign = max(busy_cpu_s() - busy0 - own, 0.0) / wall
         result.update(process_s=wall, load_before=load, waited_s=waited, foreign_cores=foreign, attempt=attempt)
         attempts.append(foreign)
         if quiet is None or foreign <= quiet["limit"]:

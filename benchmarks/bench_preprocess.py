@@ -41,7 +41,7 @@ import sys
 import time
 from typing import Any
 
-from benchenv import environment, environment_markdown, spread
+from benchenv import busy_cpu_s, environment, environment_markdown, spread, wait_for_quiet
 from jsonl_corpus import EOD_TOKEN, OUT_DIR, ensure_corpus, train_tokenizer
 from plots import add_plot_argument, publish_result
 
@@ -218,33 +218,11 @@ def _remove(prefix: str) -> None:
             os.remove(path)
 
 
-def _busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all processes, from /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_for_quiet(max_wait: float, threshold: float = 0.25) -> float:
-    """Wait until other processes use less than ``threshold`` cores (the machine may be shared)."""
-    start = time.perf_counter()
-    while True:
-        b0, t0 = _busy_cpu_s(), time.perf_counter()
-        time.sleep(2.0)
-        load = (_busy_cpu_s() - b0) / (time.perf_counter() - t0)
-        waited = time.perf_counter() - start
-        if load < threshold or waited > max_wait:
-            return waited
-        print(f"  machine busy ({load:.2f} cores used by others), waiting", file=sys.stderr)
-        time.sleep(8.0)
-
-
 def _spawn(job: dict[str, Any], max_wait: float) -> dict[str, Any]:
     _remove(job["prefix"])
     _warm(job["input"])
-    waited = _wait_for_quiet(max_wait)
-    before_busy, before_child = _busy_cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    waited = wait_for_quiet(max_wait, 0.25, sample=2.0, pause=8.0, say=True)
+    before_busy, before_child = busy_cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(job)]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
@@ -254,7 +232,7 @@ def _spawn(job: dict[str, Any], max_wait: float) -> dict[str, Any]:
     result = json.loads(out.strip().splitlines()[-1])
     # CPU the machine spent on anything but this child and its pool workers while it ran: a
     # measure of interference (kernel writeback of our own output counts too, so it is never 0).
-    foreign = max(_busy_cpu_s() - before_busy - own, 0.0)
+    foreign = max(busy_cpu_s() - before_busy - own, 0.0)
     result.update(waited_s=waited, child_cpu_s=own, foreign_cores=foreign / wall)
     return result
 

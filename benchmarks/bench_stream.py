@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy
 from bench_read import find_or_write_shard, warm
-from benchenv import environment, environment_markdown, git_state, load_average, spread
+from benchenv import busy_cpu_s, environment, environment_markdown, git_state, load_average, spread, wait_for_quiet
 from corpus import OUT_DIR, add_docs_argument
 from plots import add_plot_argument, publish_result
 
@@ -493,33 +493,13 @@ def run_child(job: dict[str, Any]) -> None:
 
 
 # -- parent side ------------------------------------------------------------------------------------
-def _busy_cpu_s() -> float:
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_for_quiet(max_wait: float) -> float:
-    """Wait until other processes use less than ``QUIET_CORES`` (the machine is shared); returns seconds waited."""
-    start = time.perf_counter()
-    while True:
-        b0, t0 = _busy_cpu_s(), time.perf_counter()
-        time.sleep(1.0)
-        load = (_busy_cpu_s() - b0) / (time.perf_counter() - t0)
-        waited = time.perf_counter() - start
-        if load < QUIET_CORES or waited > max_wait:
-            return waited
-        time.sleep(4.0)
-
-
 def _spawn(job: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one job in a fresh interpreter once the machine is quiet; redo it when others competed for the CPU.
 
     Adds ``foreign_cores``: CPU other processes used while it ran (cores), and how often it was redone.
     """
     for attempt in range(SETTINGS["retries"] + 1):
-        waited = _wait_for_quiet(SETTINGS["max_wait"])
+        waited = wait_for_quiet(SETTINGS["max_wait"], QUIET_CORES)
         result = _spawn_once(job, env)
         result.update(waited_s=waited, attempt=attempt, disturbed=result["foreign_cores"] > FOREIGN_LIMIT)
         if not result["disturbed"]:
@@ -541,7 +521,7 @@ def child_env(out_dir: str) -> dict[str, str]:
 
 
 def _spawn_once(job: dict[str, Any], env: dict[str, str] | None) -> dict[str, Any]:
-    before_busy, before_child = _busy_cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    before_busy, before_child = busy_cpu_s(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(job)]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env or CHILD_ENV).stdout
@@ -549,7 +529,7 @@ def _spawn_once(job: dict[str, Any], env: dict[str, str] | None) -> dict[str, An
     after_child = resource.getrusage(resource.RUSAGE_CHILDREN)
     own = (after_child.ru_utime - before_child.ru_utime) + (after_child.ru_stime - before_child.ru_stime)
     result = json.loads(out.strip().splitlines()[-1])
-    result.update(wall_s=wall, foreign_cores=max(_busy_cpu_s() - before_busy - own, 0.0) / wall)
+    result.update(wall_s=wall, foreign_cores=max(busy_cpu_s() - before_busy - own, 0.0) / wall)
     return result
 
 

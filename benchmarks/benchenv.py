@@ -6,6 +6,8 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
+import time
 from importlib import metadata
 
 
@@ -101,3 +103,31 @@ def environment_markdown(env: dict[str, object]) -> str:
         f"Python {env['python']}, numpy {env['numpy']}, torch {env['torch']}, "
         f"megatron-core {env['megatron-core']}, statefulset {env['statefulset']}."
     )
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all processes, from /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_quiet(
+    max_wait: float, threshold: float, sample: float = 1.0, pause: float = 4.0, say: bool = False
+) -> float:
+    """Wait (up to ``max_wait`` s) until other processes use less than ``threshold`` cores; returns seconds waited.
+
+    Each check measures the machine's busy CPU over ``sample`` seconds, then sleeps ``pause``.
+    """
+    start = time.perf_counter()
+    while True:
+        b0, t0 = busy_cpu_s(), time.perf_counter()
+        time.sleep(sample)
+        used = (busy_cpu_s() - b0) / (time.perf_counter() - t0)
+        waited = time.perf_counter() - start
+        if used < threshold or waited > max_wait:
+            return waited
+        if say:
+            print(f"  machine busy ({used:.2f} cores used by others), waiting", file=sys.stderr)
+        time.sleep(pause)
