@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 import itertools
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ranks import init_rank, spawn
 
 from statefulset.errors import StatefulsetError
 from statefulset.parallel import (
@@ -286,19 +286,12 @@ DISTRIBUTED_LAYOUTS = (
 STEPS = 3
 
 
-def _distributed_worker(rank: int, init_file: str) -> None:
+def _distributed_worker(rank: int, world: int, init_file: str) -> None:
     """One of WORLD gloo processes: check groups, roles and a first-stage -> later-stage hand-off."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_rank(rank, world, init_file)
     try:
         with pytest.raises(StatefulsetError, match="world_size"):
             create_parallel_groups(ParallelLayout(4))
@@ -348,18 +341,5 @@ def _distributed_worker(rank: int, init_file: str) -> None:
 
 
 def test_real_gloo_groups_match_the_layout(tmp_path, monkeypatch):
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    # Fresh interpreters each importing torch cost ~2 s of CPU apiece; a fork server imports it
-    # once and forks the WORLD workers from a clean, single-threaded process.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch.distributed"])
-    mp.start_processes(
-        _distributed_worker,
-        args=(str(tmp_path / "rendezvous"),),
-        nprocs=WORLD,
-        join=True,
-        start_method="forkserver",
-    )
+    spawn(_distributed_worker, WORLD, tmp_path)
