@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .datasets import StreamDataset
-from .errors import StatefulsetError
+from .errors import StatefulsetError, check_int
 from .permutation import derive_key
 from .state import Cursor, fit_global_state, fit_rank_state, make_state
 from .stream import SampleStream
@@ -186,11 +186,8 @@ class SavableLoader:
         Any DP size, batch size or worker count may resume from it, since it names the first
         sample of the stream that no rank has trained on.
         """
-        if isinstance(consumed_samples, bool) or not isinstance(consumed_samples, int | numpy.integer):
-            raise StatefulsetError(f"consumed_samples must be an int, got {type(consumed_samples).__name__}")
-        if not 0 <= consumed_samples < 2**62:
-            raise StatefulsetError(f"consumed_samples must be in [0, 2**62), got {consumed_samples}")
-        self._restore(self.dataset.layout(base=int(consumed_samples)))
+        base = check_int("consumed_samples", consumed_samples, 0, "restore_consumed_samples", high=2**62 - 1)
+        self._restore(self.dataset.layout(base=base))
 
     # -- global state ---------------------------------------------------------------------------
     def _group_size(self) -> int:

@@ -204,6 +204,9 @@ def test_bad_arguments(spec):
     with pytest.raises(StatefulsetError, match="task_encoder=object"):
         get_val_dataset(spec, batch_size=2, worker_config=wc, task_encoder=object())
     loader = loader_for(spec, batch_size=2)
+    for bad in (-1, 2**62, 3.0, True):
+        with pytest.raises(StatefulsetError, match="restore_consumed_samples: consumed_samples must be an integer in"):
+            loader_for(spec, batch_size=2).restore_consumed_samples(bad)
     with pytest.raises(StatefulsetError, match="list of DP rank states is empty"):
         loader.restore_state_global([])
     with pytest.raises(StatefulsetError, match="expected the list of every DP rank's state, got dict"):
