@@ -14,8 +14,10 @@
 The workspace is what a new user has after ``statefulset demo`` in a fresh clone, plus the
 inputs the docs' commands name: ``statefulset-demo/`` (made once per session by running
 ``statefulset demo``, the README's own command), ``configs/``, JSON lines in ``data/`` and
-``corpus.jsonl.gz`` (keys ``text`` and ``title``), and a BPE ``tokenizer.json`` (also at
-``path/to/tokenizer.json``) trained here with ``tokenizers``. ``$HOME`` points into the session
+``corpus.jsonl.gz`` (keys ``text`` and ``title``), a BPE ``tokenizer.json`` (also at
+``path/to/tokenizer.json``) trained here with ``tokenizers``, a ``dataset.yaml`` (megatron packing
+over the demo shards) and ``nemo_run.ckpt`` (the data-module entry of a NeMo checkpoint with
+``consumed_samples`` 4096). ``$HOME`` points into the session
 folder, so ``demo_spec()`` writes its corpus there once for every page.
 """
 
@@ -35,6 +37,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from docblocks import PYTHON, SHELL, PrintRecorder, instrument, output_matches, parse, statefulset_commands
 from docblocks import stray_markers as find_stray_markers
 
@@ -44,6 +47,16 @@ from statefulset.demo import generate_documents
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+DATASET_YAML = """\
+data_path: [0.5, statefulset-demo/shards/part_1_text_document, 0.3, statefulset-demo/shards/part_2_text_document,
+            0.2, statefulset-demo/shards/part_10_text_document]
+seq_length: 128
+split: 98,2,0
+seed: 1234
+packing: megatron
+num_samples: 20000
+path_to_cache: .statefulset_cache
+"""
 PAGE_SECONDS = 180  # a page that takes longer is a hang (an endless loader loop), not slowness
 
 
@@ -113,6 +126,8 @@ def workspace(session_dir, demo_corpus) -> Path:
     _train_tokenizer(folder / "tokenizer.json", [d["text"] for d in docs])
     (folder / "path" / "to").mkdir(parents=True)
     shutil.copy(folder / "tokenizer.json", folder / "path" / "to" / "tokenizer.json")
+    (folder / "dataset.yaml").write_text(DATASET_YAML)
+    torch.save({"PreTrainingDataModule": {"consumed_samples": 4096}}, folder / "nemo_run.ckpt")
     (session_dir / "home").mkdir()
     return folder
 
