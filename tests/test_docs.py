@@ -180,24 +180,29 @@ def test_python_blocks_run(page, fresh_workspace):
     namespace["__doc_print__"] = recorder
     last_output = ""
     problems: list[str] = []
-    for block in parse(ROOT / page):
-        if block.marker == "illustration":
-            continue
-        if block.marker == "output":
-            if not output_matches(block.code, last_output):
-                problems.append(f"{block.where}: shown output differs from the previous block's:\n{last_output}")
-            continue
-        if block.lang not in PYTHON:
-            continue
-        code, expected = instrument(block.code, block.line, str(ROOT / page))
-        buffer = io.StringIO()
-        with _time_limit(PAGE_SECONDS, block.where), contextlib.redirect_stdout(buffer):
-            try:
-                exec(code, namespace)
-            except Exception as error:
-                raise AssertionError(f"{block.where}: the block fails ({type(error).__name__}: {error})") from error
-        last_output = buffer.getvalue()
-        problems += recorder.mismatches(expected, page)
+    try:
+        for block in parse(ROOT / page):
+            if block.marker == "illustration":
+                continue
+            if block.marker == "output":
+                if not output_matches(block.code, last_output):
+                    problems.append(f"{block.where}: shown output differs from the previous block's:\n{last_output}")
+                continue
+            if block.lang not in PYTHON:
+                continue
+            code, expected = instrument(block.code, block.line, str(ROOT / page))
+            buffer = io.StringIO()
+            with _time_limit(PAGE_SECONDS, block.where), contextlib.redirect_stdout(buffer):
+                try:
+                    exec(code, namespace)
+                except Exception as error:
+                    raise AssertionError(f"{block.where}: the block fails ({type(error).__name__}: {error})") from error
+            last_output = buffer.getvalue()
+            problems += recorder.mismatches(expected, page)
+    finally:
+        # Functions defined by the blocks hold the namespace, a cycle: left to the cyclic garbage
+        # collector, every loader in it would wait out torch's 5 s worker-join timeout later on.
+        namespace.clear()
     assert not problems, "\n".join(problems)
 
 
