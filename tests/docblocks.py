@@ -25,7 +25,7 @@ from pathlib import Path
 
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 MARKER = re.compile(r"^\s*<!--\s*(illustration|output)\s*(?::(.*?))?\s*-->\s*$")
-ANY_MARKER = re.compile(r"<!--\s*(illustration|output)\b")
+ANY_MARKER = re.compile(r"^\s*<!--\s*(illustration|output)\b")  # a marker line (prose may quote one)
 PYTHON = {"python", "py", "python3"}
 SHELL = {"bash", "sh", "shell", "console"}
 
