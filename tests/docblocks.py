@@ -161,11 +161,10 @@ def shown_matches(comment: str, out: str) -> bool:
     """A comment shows ``out`` when it starts with it, then ends or goes on after a space or colon."""
     if "\n" in out:
         return False  # several lines: show them in an <!-- output --> block instead
-    pattern = ".*?".join(re.escape(part) for part in out.split("..."))
     if "..." in comment:  # the comment elides part of the output
         pattern = ".*?".join(re.escape(part) for part in comment.split("..."))
-        return re.fullmatch(pattern, out) is not None or re.match(pattern + r"(?=$|[ :])", out) is not None
-    return re.match(pattern + r"(?=$|[ :])", comment) is not None
+        return re.fullmatch(pattern, out) is not None
+    return re.match(re.escape(out) + r"(?=$|[ :])", comment) is not None
 
 
 def output_matches(shown: str, actual: str) -> bool:
