@@ -28,6 +28,7 @@ from .errors import SequenceIndexError, StatefulsetError
 from .indexed import IndexedDataset
 from .native import BlendSchedule, WindowSource
 from .permutation import derive_key
+from .provenance import Provenance, explain
 from .sampling import build_gpt_indices
 from .spec import DatasetSpec, load_spec
 from .split import SPLITS, parse_split, split_matrix, split_range
@@ -68,6 +69,10 @@ class SampleStream:
         except TypeError:
             raise TypeError(f"stream positions are ints, not {type(position).__name__}") from None
         return {"text": self.gather(numpy.array([p], dtype=numpy.int64))[0], "sample_id": p}
+
+    def explain(self, position: int, tokenizer: Any = None) -> Provenance:
+        """Where ``self[position]`` came from: split, source, epoch, the pieces it was cut from (docs/provenance.md)."""
+        return explain(self, position, tokenizer)
 
     def gather(self, positions: Any, out: numpy.ndarray | None = None) -> numpy.ndarray:
         """The samples at ``positions`` as one int64 array ``[len(positions), seq_length + 1]``."""
@@ -112,8 +117,15 @@ def _fill_by_source(which: numpy.ndarray, local: numpy.ndarray, out: numpy.ndarr
 class GPTSource:
     """One megatron-core GPTDataset: a prefix's split with its three index arrays."""
 
-    def __init__(self, dataset: IndexedDataset, arrays: dict[str, numpy.ndarray], seq_length: int) -> None:
+    def __init__(
+        self,
+        dataset: IndexedDataset,
+        arrays: dict[str, numpy.ndarray],
+        seq_length: int,
+        sequence_range: tuple[int, int] | None = None,
+    ) -> None:
         self.dataset = dataset
+        self.sequence_range = sequence_range if sequence_range is not None else (0, len(dataset))
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
@@ -314,7 +326,8 @@ def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], 
                 "shuffle_index": indices.shuffle_index,
             }
 
-        return GPTSource(ds, cache.get_or_build("GPTDataset", description, build), spec.seq_length), description
+        arrays = cache.get_or_build("GPTDataset", description, build)
+        return GPTSource(ds, arrays, spec.seq_length, (lo, hi)), description
 
     if len(live) == 1 and (not weighted or per_split):
         # megatron-core builds a lone GPTDataset here, with no surplus and no blend.
