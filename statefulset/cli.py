@@ -63,6 +63,41 @@ def _inspect(args: argparse.Namespace) -> int:
     return status
 
 
+def _explain(args: argparse.Namespace) -> int:
+    from .datasets import get_train_dataset, get_val_dataset
+    from .provenance import StepLayout, decoder_for
+    from .workers import WorkerConfig
+
+    if args.step is None:
+        if any(
+            v is not None for v in (args.global_batch_size, args.dp_size, args.micro_batch_size, args.rank, args.row)
+        ):
+            raise StatefulsetError(
+                "--global-batch-size, --dp-size, --micro-batch-size, --rank and --row go with --step"
+            )
+        layout, positions = None, args.position
+    else:
+        layout = StepLayout.of(args.global_batch_size, args.dp_size, args.micro_batch_size)
+        positions = layout.positions(args.step, args.rank, args.row)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    if args.split == "train":
+        ds = get_train_dataset(args.spec, batch_size=1, worker_config=wc)
+    else:
+        ds = get_val_dataset(args.spec, split_part=args.split, batch_size=1, worker_config=wc)
+    decoder = decoder_for(args.tokenizer)
+    found = [ds.explain(p, tokenizer=decoder) for p in positions]
+    if args.json:
+        rows = [{**f.as_dict(), **(layout.locate(f.position) if layout else {})} for f in found]
+        print(json.dumps(rows, indent=2))
+        return 0
+    blocks = []
+    for f in found:
+        where = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in layout.locate(f.position).items()) if layout else ""
+        blocks.append((f"{where}:\n" if where else "") + f.text())
+    print("\n\n".join(blocks))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -107,6 +142,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None, help="also check every token id is below this")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_inspect)
+
+    p = sub.add_parser(
+        "explain",
+        help="where samples came from: source shard, sequences, documents, token offsets, epoch (docs/provenance.md)",
+    )
+    p.add_argument("spec", help="the dataset spec (.yaml)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--position", type=int, nargs="+", help="global stream position(s), as in batch['sample_id']")
+    which.add_argument("--step", type=int, help="an optimizer step: the positions [S*G, (S+1)*G) of a global batch G")
+    p.add_argument("--global-batch-size", type=int, help="G, samples per optimizer step (default: dp-size x mbs)")
+    p.add_argument("--dp-size", type=int, help="W, data-parallel ranks")
+    p.add_argument("--micro-batch-size", type=int, help="B, rows per micro-batch and rank")
+    p.add_argument(
+        "--rank", type=int, help="only this DP rank's rows of the step (needs --dp-size, --micro-batch-size)"
+    )
+    p.add_argument("--row", type=int, help="only this row of the rank's micro-batches")
+    p.add_argument("--split", default="train", choices=["train", "valid", "test"])
+    p.add_argument("--tokenizer", default=None, help="add decoded text: 'bytes' or a tokenizer.json / its folder")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_explain)
 
     p = sub.add_parser("demo", help="run the main job on a built-in corpus (no downloads)")
     p.add_argument("--dir", default="statefulset-demo", help="where the demo writes its files")

@@ -236,3 +236,78 @@ def _native(stream: Any, p: int) -> Provenance:
         local // source.windows,
         _pieces(dataset, runs),
     )
+
+
+# -- which positions a training step read ----------------------------------------------------------
+@dataclass(frozen=True)
+class StepLayout:
+    """Global positions of an optimizer step, from the loader layout ``(t·W + r)·B + j``.
+
+    A step consumes ``global_batch_size`` (G) consecutive positions ``[S·G, (S+1)·G)``: Megatron's
+    pretraining sampler, and this project's loader with ``M = G / (W·B)`` micro-batches per step
+    (gradient accumulation): micro-batch ``m`` of step ``S`` is the loader's batch
+    ``t = S·M + m``. G defaults to ``W·B`` (no accumulation), where a step is one micro-batch.
+    """
+
+    global_batch_size: int
+    dp_size: int | None = None
+    micro_batch_size: int | None = None
+
+    @classmethod
+    def of(
+        cls, global_batch_size: int | None = None, dp_size: int | None = None, micro_batch_size: int | None = None
+    ) -> StepLayout:
+        sizes = {"--global-batch-size": global_batch_size, "--dp-size": dp_size, "--micro-batch-size": micro_batch_size}
+        for flag, value in sizes.items():
+            if value is not None and value < 1:
+                raise StatefulsetError(f"explain: {flag} must be positive, got {value}")
+        if (dp_size is None) != (micro_batch_size is None):
+            raise StatefulsetError("explain: give --dp-size and --micro-batch-size together")
+        if dp_size is None or micro_batch_size is None:
+            if global_batch_size is None:
+                raise StatefulsetError("explain: --step needs --global-batch-size, or --dp-size and --micro-batch-size")
+            return cls(global_batch_size)
+        per_micro_batch = dp_size * micro_batch_size
+        if global_batch_size is None:
+            global_batch_size = per_micro_batch
+        if global_batch_size % per_micro_batch:
+            raise StatefulsetError(
+                f"explain: --global-batch-size {global_batch_size} is not a multiple of "
+                f"--dp-size x --micro-batch-size = {per_micro_batch}"
+            )
+        return cls(global_batch_size, dp_size, micro_batch_size)
+
+    @property
+    def micro_batches(self) -> int | None:
+        """Micro-batches per step (the gradient-accumulation count), when the layout is known."""
+        if self.dp_size is None or self.micro_batch_size is None:
+            return None
+        return self.global_batch_size // (self.dp_size * self.micro_batch_size)
+
+    def positions(self, step: int, rank: int | None = None, row: int | None = None) -> list[int]:
+        """Positions of ``step``; with ``rank`` only that DP rank's rows (and with ``row`` only row ``row``)."""
+        if step < 0:
+            raise StatefulsetError(f"explain: --step must be non-negative, got {step}")
+        first = step * self.global_batch_size
+        if rank is None:
+            if row is not None:
+                raise StatefulsetError("explain: --row is a row of one rank's micro-batches; give --rank too")
+            return list(range(first, first + self.global_batch_size))
+        if self.dp_size is None or self.micro_batch_size is None or self.micro_batches is None:
+            raise StatefulsetError("explain: --rank needs --dp-size and --micro-batch-size")
+        if not 0 <= rank < self.dp_size:
+            raise StatefulsetError(f"explain: --rank {rank} is outside [0, --dp-size {self.dp_size})")
+        b = self.micro_batch_size
+        if row is not None and not 0 <= row < b:
+            raise StatefulsetError(f"explain: --row {row} is outside [0, --micro-batch-size {b})")
+        rows = range(b) if row is None else [row]
+        return [first + (m * self.dp_size + rank) * b + j for m in range(self.micro_batches) for j in rows]
+
+    def locate(self, position: int) -> dict[str, int]:
+        """``step`` of a position and, when the layout is known, its ``micro_batch``, ``rank`` and ``row``."""
+        step, within = divmod(position, self.global_batch_size)
+        if self.dp_size is None or self.micro_batch_size is None:
+            return {"step": step}
+        micro_batch, within = divmod(within, self.dp_size * self.micro_batch_size)
+        rank, row = divmod(within, self.micro_batch_size)
+        return {"step": step, "micro_batch": micro_batch, "rank": rank, "row": row}

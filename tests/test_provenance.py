@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+import json
+import subprocess
+import sys
+
 import numpy
 import pytest
+import yaml
 
-from statefulset import IndexedDataset, IndexedDatasetWriter, get_train_dataset, get_val_dataset
+from statefulset import (
+    IndexedDataset,
+    IndexedDatasetWriter,
+    WorkerConfig,
+    get_savable_loader,
+    get_train_dataset,
+    get_val_dataset,
+)
 from statefulset.errors import SequenceIndexError, StatefulsetError
 from statefulset.tokenization import ByteTokenizer
 
@@ -149,3 +162,106 @@ def test_plain_data_and_errors(shards):
         ds.explain(1, tokenizer=3)
     with pytest.raises(StatefulsetError, match="no such tokenizer"):
         ds.explain(1, tokenizer="/nonexistent/tokenizer.json")
+
+
+# -- statefulset explain ------------------------------------------------------------------------------
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    from statefulset.cli import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def spec_files(shards, tmp_path_factory):
+    root = tmp_path_factory.mktemp("specs")
+    files = {}
+    for name, spec in specs(shards).items():
+        files[name] = root / f"{name}.yaml"
+        files[name].write_text(yaml.safe_dump({**spec, "path_to_cache": str(root / "cache")}))
+    return files
+
+
+def test_cli_positions_match_the_api(capsys, spec_files):
+    ds = get_train_dataset(str(spec_files["megatron_blend"]), batch_size=1)
+    code, out, _ = run_cli(capsys, "explain", spec_files["megatron_blend"], "--position", 0, 5, 10**4, "--json")
+    assert code == 0
+    assert json.loads(out) == [ds.explain(p).as_dict() for p in (0, 5, 10**4)]
+    code, out, _ = run_cli(capsys, "explain", spec_files["megatron_blend"], "--position", 3, "--split", "valid")
+    assert code == 0 and out.startswith("sample 3 (valid, packing megatron, 17 tokens)\n")
+
+
+@pytest.mark.parametrize("name", ["native_blend", "megatron"])
+def test_cli_step_is_what_the_loader_gave_that_rank(capsys, spec_files, name):
+    """Step 2 with G=12, 2 DP ranks, micro-batches of 3: rank 1's loader batches 4 and 5."""
+    wc = WorkerConfig(rank=1, world_size=2, num_workers=0)
+    loader = get_savable_loader(get_train_dataset(str(spec_files[name]), batch_size=3, worker_config=wc))
+    batches = list(itertools.islice(loader, 6))
+    trained = [*batches[4]["sample_id"].tolist(), *batches[5]["sample_id"].tolist()]
+    layout = ["--dp-size", 2, "--micro-batch-size", 3, "--global-batch-size", 12]
+    code, out, _ = run_cli(capsys, "explain", spec_files[name], "--step", 2, *layout, "--rank", 1, "--json")
+    assert code == 0
+    found = json.loads(out)
+    assert [f["position"] for f in found] == trained
+    assert [(f["step"], f["micro_batch"], f["rank"], f["row"]) for f in found] == [
+        (2, m, 1, j) for m in (0, 1) for j in range(3)
+    ]
+    texts = [*batches[4]["text"], *batches[5]["text"]]
+    for f, text in zip(found, texts, strict=True):  # the pieces are exactly the rows that were trained on
+        runs = [IndexedDataset(pc["prefix"]).read_range(pc["bin_offset"], pc["tokens"]) for pc in f["pieces"]]
+        numpy.testing.assert_array_equal(numpy.concatenate(runs), text.numpy())
+    code, out, _ = run_cli(capsys, "explain", spec_files[name], "--step", 2, *layout, "--rank", 1, "--row", 2)
+    assert code == 0 and out.startswith(f"step 2, micro-batch 0, rank 1, row 2:\nsample {trained[2]} ")
+    assert out.count("\nsample ") == 2 and f"row 2:\nsample {trained[5]} " in out  # one per micro-batch
+    code, out, _ = run_cli(capsys, "explain", spec_files[name], "--step", 1, "--global-batch-size", 4, "--json")
+    assert [f["position"] for f in json.loads(out)] == [4, 5, 6, 7] and json.loads(out)[0]["step"] == 1
+    # Without gradient accumulation (G = W x B) a step is one micro-batch of each rank.
+    code, out, _ = run_cli(
+        capsys, "explain", spec_files[name], "--step", 4, "--dp-size", 2, "--micro-batch-size", 3, "--rank", 1, "--json"
+    )
+    assert [f["position"] for f in json.loads(out)] == batches[4]["sample_id"].tolist()
+
+
+def test_cli_decodes_with_a_hugging_face_tokenizer(capsys, spec_files, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["a provenance test corpus"] * 3, trainers.BpeTrainer(vocab_size=300))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    code, out, _ = run_cli(capsys, "explain", spec_files["native"], "--position", 9, "--tokenizer", tmp_path, "--json")
+    assert code == 0
+    (found,) = json.loads(out)
+    for piece in found["pieces"]:
+        run = IndexedDataset(piece["prefix"]).read_range(piece["bin_offset"], piece["tokens"])
+        assert piece["text"] == tok.decode([int(t) for t in run])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--step", 0, "--rank", 0, "--global-batch-size", 4], "--rank needs --dp-size and --micro-batch-size"),
+        (["--step", 0, "--dp-size", 2], "give --dp-size and --micro-batch-size together"),
+        (["--step", 0], "--step needs --global-batch-size"),
+        (["--step", 0, "--dp-size", 2, "--micro-batch-size", 2, "--global-batch-size", 6], "not a multiple"),
+        (["--step", 0, "--dp-size", 2, "--micro-batch-size", 2, "--rank", 2], "--rank 2 is outside [0, --dp-size 2)"),
+        (["--step", 0, "--dp-size", 2, "--micro-batch-size", 2, "--row", 1], "give --rank too"),
+        (["--position", 1, "--rank", 0], "go with --step"),
+        (["--position", -1], "position -1 is outside"),
+        (["--position", 1, "--tokenizer", "/nowhere/tokenizer.json"], "no such tokenizer file"),
+    ],
+)
+def test_cli_errors(capsys, spec_files, args, message):
+    code, out, err = run_cli(capsys, "explain", spec_files["megatron"], *args)
+    assert code == 2 and out == "" and message in err and "Traceback" not in err
+
+
+def test_cli_explain_in_a_subprocess(spec_files):
+    run = subprocess.run(
+        [sys.executable, "-m", "statefulset.cli", "explain", str(spec_files["native"]), "--position", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("sample 1 (train, packing native, 25 tokens)")
