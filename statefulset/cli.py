@@ -104,10 +104,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(args.dir, args.documents) else 1
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="statefulset", description="Deterministic, savable data loading on Megatron bin/idx shards."
     )
+    parser.add_argument("--version", action="version", version=f"statefulset {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("preprocess", help="tokenise JSON lines into <prefix>_<key>_document.{bin,idx}")
