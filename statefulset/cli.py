@@ -54,10 +54,14 @@ def _merge(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .inspection import inspect_shard
+    from .preview import is_spec_path, preview_spec
 
     status = 0
     for prefix in args.prefix:
-        report = inspect_shard(prefix, multimodal=args.multimodal, vocab_size=args.vocab_size)
+        if is_spec_path(prefix):
+            report = preview_spec(prefix)
+        else:
+            report = inspect_shard(prefix, multimodal=args.multimodal, vocab_size=args.vocab_size)
         print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
         status = status or (0 if report.valid else 1)
     return status
@@ -143,8 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multimodal", action="store_true")
     p.set_defaults(run=_merge)
 
-    p = sub.add_parser("inspect", help="statistics and a full validity check of shards")
-    p.add_argument("prefix", nargs="+", help="shard prefix (path without .bin/.idx)")
+    p = sub.add_parser(
+        "inspect", help="statistics and a full validity check of shards; or a spec's splits, sources and samples"
+    )
+    p.add_argument("prefix", nargs="+", help="shard prefix (path without .bin/.idx), or a dataset spec .yaml/.yml")
     p.add_argument("--multimodal", action="store_true")
     p.add_argument("--vocab-size", type=int, default=None, help="also check every token id is below this")
     p.add_argument("--json", action="store_true", help="machine-readable output")
