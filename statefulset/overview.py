@@ -10,12 +10,11 @@ SPEC.yaml`` (:mod:`statefulset.preview`) prints the same figures.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import numpy
 
 from .sampling import plan_epochs
 
@@ -107,8 +106,11 @@ def _tokens(dataset: IndexedDataset, lo: int, hi: int) -> int:
 
 
 def _documents(dataset: IndexedDataset, lo: int, hi: int) -> int:
-    first, end = numpy.searchsorted(dataset.document_indices[:-1], [lo, hi], side="left").tolist()
-    return int(end - first)
+    """Documents starting in sequences [lo, hi): two binary searches (bisect reads the unaligned
+    mapped array in place, where numpy.searchsorted would copy it first)."""
+    starts = dataset.document_indices
+    last = len(starts) - 1  # the final entry is the end, not a document
+    return bisect.bisect_left(starts, hi, 0, last) - bisect.bisect_left(starts, lo, 0, last)
 
 
 def _normalised(weights: list[float | None]) -> list[float | None]:

@@ -15,6 +15,7 @@ Concatenating the pieces' tokens gives exactly ``ds[p]["text"]`` (the tests chec
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -147,8 +148,9 @@ def _dataset_of(stream: SampleStream, source: int) -> IndexedDataset:
 
 def _documents(dataset: IndexedDataset, sequences: list[int]) -> list[int]:
     """Document id of each sequence: the last document starting at or before it (a binary search)."""
-    found = numpy.searchsorted(dataset.document_indices, numpy.asarray(sequences, dtype=numpy.int64), side="right")
-    return (found - 1).tolist()
+    # bisect, not numpy.searchsorted: the mapped index arrays are often unaligned (the .idx header
+    # is 34 bytes), and searchsorted copies an unaligned array whole (8 bytes per entry) first.
+    return [bisect.bisect_right(dataset.document_indices, s) - 1 for s in sequences]
 
 
 def _pieces(dataset: IndexedDataset, runs: list[tuple[int, int, int]]) -> list[Piece]:
@@ -214,7 +216,7 @@ def _native(stream: Any, p: int) -> Provenance:
     pointers, lengths = dataset.sequence_pointers, dataset.sequence_lengths
     # The last sequence starting at or before the window's first token holds it (empty sequences
     # share their successor's pointer, so "last" skips them); validated indices are contiguous.
-    seq = int(numpy.searchsorted(pointers, start * itemsize, side="right")) - 1
+    seq = bisect.bisect_right(pointers, start * itemsize) - 1
     runs, at = [], start
     while at < stop:
         first = int(pointers[seq]) // itemsize

@@ -6,6 +6,7 @@ import itertools
 import json
 import subprocess
 import sys
+import tracemalloc
 
 import numpy
 import pytest
@@ -265,3 +266,29 @@ def test_cli_explain_in_a_subprocess(spec_files):
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("sample 1 (train, packing native, 25 tokens)")
+
+
+def test_explain_and_the_open_log_hold_no_copy_of_the_index(tmp_path, caplog):
+    """Two million sequences (a 40 MB .idx): explaining a sample and describing the split allocate
+    kilobytes, so they read the mapped index, never a copy of it (the O(1) promise)."""
+    from statefulset.overview import describe
+    from statefulset.stream import open_stream
+
+    count = 2_000_000
+    prefix = str(tmp_path / "big")
+    with IndexedDatasetWriter(prefix, numpy.uint16) as writer:
+        writer.add_documents(numpy.arange(count * 3) % 250, numpy.full(count, 3), sequences_per_document=None)
+    for spec in (
+        {"data_path": prefix, "seq_length": 16, "packing": "native", "split": "1"},
+        {"data_path": prefix, "seq_length": 16, "split": "1", "path_to_cache": str(tmp_path / "cache")},
+    ):
+        stream = open_stream(spec)
+        stream.explain(0)  # first use: lazily built permutations, compiled kernels
+        tracemalloc.start()
+        found = [stream.explain(p) for p in (5, len(stream) - 1, len(stream) // 2)]
+        overview = describe(stream)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 200_000, (spec.get("packing", "megatron"), peak)
+        assert all(6 <= len(f.pieces) <= 7 for f in found)  # 17 tokens over sequences of 3
+        assert overview.sources[0].tokens == 3 * count and overview.sources[0].documents == count
