@@ -193,6 +193,9 @@ def record_open(stream: SampleStream, seconds: float, built: dict[str, int], whe
     stream.open_seconds, stream.open_built = seconds, built
     if not logger.isEnabledFor(logging.INFO) or not _logs_here():
         return
+    if stream.packing not in ("megatron", "native"):  # a packing this module does not know yet
+        logger.info("statefulset: %s: opened %r in %.2f s", where, stream, seconds)
+        return
     lines = describe(stream).lines()
     logger.info("statefulset: %s: %s", where, lines[0])
     for line in lines[1:]:

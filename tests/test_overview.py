@@ -9,8 +9,9 @@ import pickle
 import numpy
 import pytest
 import yaml
+from conftest import write_printable_shards
 
-from statefulset import IndexedDataset, IndexedDatasetWriter
+from statefulset import IndexedDataset
 from statefulset.cli import main
 from statefulset.overview import describe
 from statefulset.preview import preview_spec
@@ -20,17 +21,8 @@ from statefulset.stream import open_stream
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    root = tmp_path_factory.mktemp("overview")
-    rng = numpy.random.default_rng(3)
-    prefixes = []
-    for k, documents in enumerate((80, 30, 120)):
-        prefix = str(root / f"part_{k}")
-        with IndexedDatasetWriter(prefix, numpy.uint16) as writer:
-            for _ in range(documents):
-                lengths = [int(x) for x in rng.integers(1, 40, int(rng.integers(1, 3)))]
-                writer.add_document(rng.integers(0, 1000, sum(lengths)), lengths)
-        prefixes.append(prefix)
-    return prefixes
+    # part_1 holds under 50 sequences, so a 1% test split of it rounds to none.
+    return write_printable_shards(tmp_path_factory.mktemp("overview"), documents=(80, 15, 120), seed=3)
 
 
 def write_spec(folder, name, **spec):
@@ -154,7 +146,7 @@ def test_inspect_spec_reports_empty_and_broken_splits(shards, tmp_path, capsys):
     spec = write_spec(tmp_path, "tiny_test", data_path=shards[1], seq_length=16, split="98,2,0")
     code, out, _ = run(capsys, "inspect", spec)
     assert code == 0 and "  test: empty" in out
-    # 30 sequences: a 1% test split rounds to no sequence at all.
+    # Under 50 sequences: a 1% test split rounds to no sequence at all.
     broken = write_spec(tmp_path, "broken", data_path=shards[1], seq_length=16, split="97,2,1")
     code, out, _ = run(capsys, "inspect", broken)
     assert code == 1 and "  test: CANNOT OPEN: " in out and "holds no sequences" in out and "  train: " in out

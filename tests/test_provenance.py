@@ -11,6 +11,7 @@ import tracemalloc
 import numpy
 import pytest
 import yaml
+from conftest import write_printable_shards
 
 from statefulset import (
     IndexedDataset,
@@ -23,25 +24,10 @@ from statefulset import (
 from statefulset.errors import SequenceIndexError, StatefulsetError
 from statefulset.tokenization import ByteTokenizer
 
-EOD = 256
-
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """Three shards of printable bytes + EOD, with multi-sequence documents and empty sequences."""
-    root = tmp_path_factory.mktemp("provenance")
-    rng = numpy.random.default_rng(10)
-    prefixes = []
-    for k, documents in enumerate((90, 40, 150)):
-        prefix = str(root / f"part_{k}")
-        with IndexedDatasetWriter(prefix, numpy.uint16) as writer:
-            for _ in range(documents):
-                lengths = [int(x) for x in rng.integers(0, 30, int(rng.integers(1, 4)))]
-                tokens = rng.integers(32, 127, sum(lengths))
-                lengths[-1] += 1
-                writer.add_document(numpy.append(tokens, EOD), lengths)
-        prefixes.append(prefix)
-    return prefixes
+    return write_printable_shards(tmp_path_factory.mktemp("provenance"))
 
 
 def rebuilt(found) -> numpy.ndarray:
