@@ -16,6 +16,7 @@ Concatenating the pieces' tokens gives exactly ``ds[p]["text"]`` (the tests chec
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -113,8 +114,8 @@ def decoder_for(tokenizer: Any) -> Decoder | None:
         return tokenizer
     from .tokenization import TokenizerSpec
 
-    if isinstance(tokenizer, str):
-        tokenizer = TokenizerSpec(tokenizer)
+    if isinstance(tokenizer, str | os.PathLike):
+        tokenizer = TokenizerSpec(os.fspath(tokenizer))
     if isinstance(tokenizer, TokenizerSpec):
         return tokenizer.build()
     raise StatefulsetError(
