@@ -73,8 +73,11 @@ def blend_indices(weights: list[float] | list[int], size: int | None) -> dict[st
     return {"dataset_index": index, "dataset_sample_index": sample}
 
 
-def check_budgets(dataset_index: numpy.ndarray, lengths: list[int], names: list[str], split: str) -> None:
-    """megatron-core refuses a blend that asks a part for more samples than it has; so do we, by name."""
+def check_budgets(dataset_index: numpy.ndarray, lengths: list[int], names: list[str], split: str) -> numpy.ndarray:
+    """megatron-core refuses a blend that asks a part for more samples than it has; so do we, by name.
+
+    Returns the samples the blend draws from each part.
+    """
     counts = numpy.bincount(numpy.asarray(dataset_index), minlength=len(lengths))
     for name, asked, have in zip(names, counts.tolist(), lengths, strict=True):
         if asked > have:
@@ -82,3 +85,4 @@ def check_budgets(dataset_index: numpy.ndarray, lengths: list[int], names: list[
                 f"{name}: the {split} blend asks for {asked} samples but this part holds {have} "
                 "(megatron-core raises IndexError here too; raise num_samples or change the weights)"
             )
+    return counts

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -110,9 +111,11 @@ class IndexCache:
         """The cached arrays (memory-mapped) or, on a miss, ``build()``'s, stored for next time."""
         path = self.entry_path(kind, description)
         if path is None:
-            return build()
+            return _timed_build(kind, build, "in memory (no path_to_cache)")
+        started = time.perf_counter()
         found = self._load(path, description)
         if found is not None:
+            logger.debug("statefulset: loaded %s indices from %s in %.3f s", kind, path, time.perf_counter() - started)
             return found
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -123,9 +126,7 @@ class IndexCache:
             found = self._load(path, description)  # another process may have finished while we waited
             if found is not None:
                 return found
-            arrays = build()
-            builds[kind] = builds.get(kind, 0) + 1
-            logger.info("statefulset: built %s indices into %s", kind, path)
+            arrays = _timed_build(kind, build, f"into {path}")
             try:
                 self._store(path, description, arrays)
             except OSError as exc:
@@ -180,6 +181,14 @@ class IndexCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+
+def _timed_build(kind: str, build: Callable[[], dict[str, numpy.ndarray]], where: str) -> dict[str, numpy.ndarray]:
+    started = time.perf_counter()
+    arrays = build()
+    builds[kind] = builds.get(kind, 0) + 1
+    logger.info("statefulset: built %s indices %s in %.2f s", kind, where, time.perf_counter() - started)
+    return arrays
 
 
 def _umask() -> int:

@@ -54,13 +54,52 @@ def _merge(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from .inspection import inspect_shard
+    from .preview import is_spec_path, preview_spec
 
     status = 0
     for prefix in args.prefix:
-        report = inspect_shard(prefix, multimodal=args.multimodal, vocab_size=args.vocab_size)
+        if is_spec_path(prefix):
+            report = preview_spec(prefix)
+        else:
+            report = inspect_shard(prefix, multimodal=args.multimodal, vocab_size=args.vocab_size)
         print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
         status = status or (0 if report.valid else 1)
     return status
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from .datasets import get_train_dataset, get_val_dataset
+    from .provenance import StepLayout, decoder_for
+    from .workers import WorkerConfig
+
+    if args.step is None:
+        if any(
+            v is not None for v in (args.global_batch_size, args.dp_size, args.micro_batch_size, args.rank, args.row)
+        ):
+            raise StatefulsetError(
+                "--global-batch-size, --dp-size, --micro-batch-size, --rank and --row go with --step"
+            )
+        layout, positions = None, args.position
+    else:
+        layout = StepLayout.of(args.global_batch_size, args.dp_size, args.micro_batch_size)
+        positions = layout.positions(args.step, args.rank, args.row)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    if args.split == "train":
+        ds = get_train_dataset(args.spec, batch_size=1, worker_config=wc)
+    else:
+        ds = get_val_dataset(args.spec, split_part=args.split, batch_size=1, worker_config=wc)
+    decoder = decoder_for(args.tokenizer)
+    found = [ds.explain(p, tokenizer=decoder) for p in positions]
+    if args.json:
+        rows = [{**f.as_dict(), **(layout.locate(f.position) if layout else {})} for f in found]
+        print(json.dumps(rows, indent=2))
+        return 0
+    blocks = []
+    for f in found:
+        where = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in layout.locate(f.position).items()) if layout else ""
+        blocks.append((f"{where}:\n" if where else "") + f.text())
+    print("\n\n".join(blocks))
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -69,10 +108,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if run_demo(args.dir, args.documents) else 1
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="statefulset", description="Deterministic, savable data loading on Megatron bin/idx shards."
     )
+    parser.add_argument("--version", action="version", version=f"statefulset {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("preprocess", help="tokenise JSON lines into <prefix>_<key>_document.{bin,idx}")
@@ -101,12 +147,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multimodal", action="store_true")
     p.set_defaults(run=_merge)
 
-    p = sub.add_parser("inspect", help="statistics and a full validity check of shards")
-    p.add_argument("prefix", nargs="+", help="shard prefix (path without .bin/.idx)")
+    p = sub.add_parser(
+        "inspect", help="statistics and a full validity check of shards; or a spec's splits, sources and samples"
+    )
+    p.add_argument("prefix", nargs="+", help="shard prefix (path without .bin/.idx), or a dataset spec .yaml/.yml")
     p.add_argument("--multimodal", action="store_true")
     p.add_argument("--vocab-size", type=int, default=None, help="also check every token id is below this")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_inspect)
+
+    p = sub.add_parser(
+        "explain",
+        help="where samples came from: source shard, sequences, documents, token offsets, epoch (docs/provenance.md)",
+    )
+    p.add_argument("spec", help="the dataset spec (.yaml)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--position", type=int, nargs="+", metavar="P", help="global position(s): batch['sample_id']")
+    which.add_argument("--step", type=int, metavar="S", help="optimizer step S: the positions [S*G, (S+1)*G)")
+    p.add_argument("--global-batch-size", type=int, metavar="G", help="samples per step (default W*B)")
+    p.add_argument("--dp-size", type=int, metavar="W", help="data-parallel ranks")
+    p.add_argument("--micro-batch-size", type=int, metavar="B", help="rows per micro-batch and rank")
+    p.add_argument("--rank", type=int, metavar="R", help="only DP rank R's rows of the step (needs W and B)")
+    p.add_argument("--row", type=int, metavar="J", help="only row J of the rank's micro-batches")
+    p.add_argument("--split", default="train", choices=["train", "valid", "test"])
+    p.add_argument("--tokenizer", metavar="PATH|bytes", help="add decoded text: 'bytes' or a tokenizer.json (folder)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_explain)
 
     p = sub.add_parser("demo", help="run the main job on a built-in corpus (no downloads)")
     p.add_argument("--dir", default="statefulset-demo", help="where the demo writes its files")

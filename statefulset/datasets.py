@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import numpy
 
 from .errors import StatefulsetError
+from .provenance import Provenance
 from .spec import DatasetSpec
 from .state import Cursor
 from .stream import SampleStream, open_stream
@@ -68,8 +70,23 @@ class StreamDataset:
         if isinstance(position, bool) or not isinstance(position, int | numpy.integer):
             raise TypeError(f"dataset positions are ints, not {type(position).__name__}")
         p = int(position)
-        read = p % len(self.stream) if self.repeat and not self.stream.unbounded and p >= 0 else p
-        return {"text": self.stream[read]["text"], "sample_id": p}
+        return {"text": self.stream[self._read_position(p)]["text"], "sample_id": p}
+
+    def _read_position(self, p: int) -> int:
+        return p % len(self.stream) if self.repeat and not self.stream.unbounded and p >= 0 else p
+
+    def explain(self, position: int, tokenizer: Any = None) -> Provenance:
+        """Where ``self[position]`` came from: split, source prefix, epoch and the pieces of sequences it was cut from.
+
+        ``tokenizer`` (``"bytes"``, a tokenizer.json path, or an object with ``decode``) adds each
+        piece's decoded text. O(1) per sample; see docs/provenance.md for every field.
+        """
+        if isinstance(position, bool) or not isinstance(position, int | numpy.integer):
+            raise TypeError(f"dataset positions are ints, not {type(position).__name__}")
+        p = int(position)
+        read = self._read_position(p)
+        found = self.stream.explain(read, tokenizer)
+        return replace(found, position=p, wrap=(p - read) // len(self.stream) if read != p else 0)
 
     def __len__(self) -> int:
         """Micro-batches per rank in one pass over the stream."""

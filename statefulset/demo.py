@@ -219,20 +219,16 @@ def _loaders(spec: str, world: int, workers: int, batch: int = 4) -> list:
 
 def _training(spec: str, say: Callable[[str], None], steps: int = 40, cut: int = 17) -> list:
     """Two DP ranks train ``steps`` steps; a second run saves at ``cut`` and restores in other shapes."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the progress extra is optional
-        tqdm = None
+    from tqdm import tqdm
+
     reference = [_take(loader, steps) for loader in _loaders(spec, world=2, workers=1)]
     first = _loaders(spec, world=2, workers=1)
-    bar = tqdm(total=cut, desc="      training (2 DP ranks)", unit="step", leave=False) if tqdm else None
+    bar = tqdm(total=cut, desc="      training (2 DP ranks)", unit="step", leave=False)
     for _ in range(cut):
         for loader in first:
             next(iter(loader))
-        if bar:
-            bar.update()
-    if bar:
-        bar.close()
+        bar.update()
+    bar.close()
     states = [loader.save_state_rank() for loader in first]  # what save_state_global gathers
     size = len(repr(states[0]))
     say(f"      saved at step {cut}: {size} bytes per rank, e.g. batches={states[0]['batches']}")

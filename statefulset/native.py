@@ -101,6 +101,7 @@ class WindowSource:
     def __init__(self, dataset: IndexedDataset, sequence_range: tuple[int, int], seq_length: int, key: int) -> None:
         lo, hi = sequence_range
         self.dataset = dataset
+        self.sequence_range = (lo, hi)
         self.seq_length = seq_length
         if hi > lo:
             itemsize = dataset.dtype.itemsize

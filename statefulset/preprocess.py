@@ -71,6 +71,8 @@ class PreprocessResult:
     blank_lines: int = 0
     input_bytes: int = 0
     seconds: float = 0.0
+    eod: int | None = None  # the end-of-document token appended to each document, None when not asked
+    eod_text: str | None = None  # its string in the vocabulary (None for the byte tokenizer's 256)
 
     def summary(self) -> str:
         total = sum(self.tokens.values())
@@ -80,6 +82,11 @@ class PreprocessResult:
             f"({self.documents / s:,.0f} docs/s, {total / s:,.0f} tokens/s)"
         ]
         lines += [f"  {key}: {prefix}.{{bin,idx}}" for key, prefix in self.outputs.items()]
+        if self.eod is None:
+            lines.append("  appended no end-of-document token (--append-eod adds one)")
+        else:
+            name = repr(self.eod_text) if self.eod_text is not None else "(the byte tokenizer's end of document)"
+            lines.append(f"  appended EOD token {self.eod} {name} to each document")
         if self.bad_lines:
             lines.append(f"  skipped {self.bad_lines} bad lines, first: " + "; ".join(self.first_bad))
         if self.blank_lines:
@@ -297,6 +304,8 @@ def preprocess(
     out_dtype = idx_format.token_dtype(dtype) if dtype is not None else idx_format.optimal_dtype(probe.vocab_size)
     keys = tuple(json_keys)
     result = PreprocessResult(outputs={k: f"{output_prefix}_{k}_document" for k in keys})
+    if append_eod:
+        result.eod, result.eod_text = probe.eod, probe.token_text(probe.eod)
     writers = {k: IndexedDatasetWriter(p, out_dtype) for k, p in result.outputs.items()}
     progress = Progress("preprocess", sum(os.path.getsize(p) for p in paths), enabled=show_progress)
     init_args = (spec, keys, append_eod, out_dtype, workers > 1)

@@ -1,36 +1,46 @@
-"""Progress display for long jobs: tqdm when installed (the ``progress`` extra), else plain lines."""
+"""Progress display for long jobs: a tqdm bar on a terminal, plain lines in a log file.
+
+tqdm is a core dependency (small, pure Python, no dependencies of its own), so every install
+shows progress. A bar redrawn with carriage returns is unreadable in a batch job's log, so when
+stderr is not a terminal the same figures go out as one plain line every ``LINE_EVERY_S``
+seconds and a last line when the job ends.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
+
+LINE_EVERY_S = 10.0
 
 
 class Progress:
     """Counts documents, tokens and input bytes and shows their rates."""
 
-    def __init__(self, description: str, total_bytes: int | None, enabled: bool = True) -> None:
+    def __init__(
+        self, description: str, total_bytes: int | None, enabled: bool = True, stream: TextIO | None = None
+    ) -> None:
         self.documents = 0
         self.tokens = 0
         self.bytes = 0
+        self.total_bytes = total_bytes
         self._start = time.perf_counter()
         self._last_line = self._start
         self._bar: Any = None
         self._enabled = enabled
         self._description = description
-        if enabled:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
+        self._stream = stream if stream is not None else sys.stderr
+        if enabled and _is_terminal(self._stream):
+            from tqdm import tqdm
+
             self._bar = tqdm(
                 total=total_bytes,
                 desc=description,
                 unit="B",
                 unit_scale=True,
                 mininterval=0.5,
-                file=sys.stderr,
+                file=self._stream,
             )
 
     @property
@@ -52,10 +62,28 @@ class Progress:
             self._bar.set_postfix_str(f"{self.documents:,} docs, {self.rates()}", refresh=False)
             return
         now = time.perf_counter()
-        if now - self._last_line >= 2.0:
+        if now - self._last_line >= LINE_EVERY_S:
             self._last_line = now
-            print(f"{self._description}: {self.documents:,} docs, {self.rates()}", file=sys.stderr)
+            self._line()
+
+    def _line(self, final: bool = False) -> None:
+        done = f"{self.bytes / self.total_bytes:.0%} of input, " if self.total_bytes else ""
+        print(
+            f"{self._description}: {done}{self.documents:,} docs, {self.tokens:,} tokens, {self.rates()}"
+            + (f", done in {self.seconds:.1f} s" if final else ""),
+            file=self._stream,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        elif self._enabled:
+            self._line(final=True)
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or file-like stream without a descriptor
+        return False

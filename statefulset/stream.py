@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,10 +25,13 @@ import numpy
 
 from . import blending
 from .cache import IndexCache, shard_digest
+from .cache import builds as cache_builds
 from .errors import SequenceIndexError, StatefulsetError
 from .indexed import IndexedDataset
 from .native import BlendSchedule, WindowSource
+from .overview import record_open
 from .permutation import derive_key
+from .provenance import Provenance, explain
 from .sampling import build_gpt_indices
 from .spec import DatasetSpec, load_spec
 from .split import SPLITS, parse_split, split_matrix, split_range
@@ -53,6 +57,8 @@ class SampleStream:
         self.fingerprint = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
         self._length = length
         self.unbounded = unbounded  # native: every p >= 0 is a sample; megatron: p < len(stream)
+        self.open_seconds: float | None = None  # how long open_stream took, and the indices it built
+        self.open_built: dict[str, int] = {}
 
     def __len__(self) -> int:
         return self._length
@@ -60,7 +66,7 @@ class SampleStream:
     def __reduce__(self) -> tuple[Any, ...]:
         # Workers started with spawn/forkserver reopen the stream (cached indices are mmapped)
         # instead of receiving pickled index arrays.
-        return (open_stream, (self.spec, self.split))
+        return (_open_stream, (self.spec, self.split))
 
     def __getitem__(self, position: int) -> dict[str, Any]:
         try:
@@ -68,6 +74,10 @@ class SampleStream:
         except TypeError:
             raise TypeError(f"stream positions are ints, not {type(position).__name__}") from None
         return {"text": self.gather(numpy.array([p], dtype=numpy.int64))[0], "sample_id": p}
+
+    def explain(self, position: int, tokenizer: Any = None) -> Provenance:
+        """Where ``self[position]`` came from: split, source, epoch, the pieces it was cut from (docs/provenance.md)."""
+        return explain(self, position, tokenizer)
 
     def gather(self, positions: Any, out: numpy.ndarray | None = None) -> numpy.ndarray:
         """The samples at ``positions`` as one int64 array ``[len(positions), seq_length + 1]``."""
@@ -112,8 +122,17 @@ def _fill_by_source(which: numpy.ndarray, local: numpy.ndarray, out: numpy.ndarr
 class GPTSource:
     """One megatron-core GPTDataset: a prefix's split with its three index arrays."""
 
-    def __init__(self, dataset: IndexedDataset, arrays: dict[str, numpy.ndarray], seq_length: int) -> None:
+    def __init__(
+        self,
+        dataset: IndexedDataset,
+        arrays: dict[str, numpy.ndarray],
+        seq_length: int,
+        sequence_range: tuple[int, int] | None = None,
+        num_samples: int | None = None,
+    ) -> None:
         self.dataset = dataset
+        self.sequence_range = sequence_range if sequence_range is not None else (0, len(dataset))
+        self.num_samples = num_samples  # what the index was built for (None: one epoch)
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
@@ -189,6 +208,7 @@ class MegatronStream(SampleStream):
         super().__init__(spec, split, identity, length, unbounded=False)
         self.sources = sources
         self.blend = blend
+        self.blend_counts: numpy.ndarray | None = None  # samples the blend draws from each source
 
     def _fill(self, positions: numpy.ndarray, out: numpy.ndarray) -> None:
         if self.blend is None:
@@ -230,7 +250,19 @@ class NativeStream(SampleStream):
 
 # -- opening a stream from a spec -----------------------------------------------------------------
 def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], split: str = "train") -> SampleStream:
-    """The stream of ``split`` ("train", "valid" or "test") described by ``spec``."""
+    """The stream of ``split`` ("train", "valid" or "test") described by ``spec``.
+
+    Logs what it opened at INFO on the ``statefulset`` logger (:mod:`statefulset.overview`).
+    """
+    started, before = time.perf_counter(), dict(cache_builds)
+    stream = _open_stream(spec, split)
+    built = {kind: n - before.get(kind, 0) for kind, n in cache_builds.items() if n > before.get(kind, 0)}
+    where = os.fspath(spec) if isinstance(spec, str | os.PathLike) else "spec"
+    record_open(stream, time.perf_counter() - started, built, where)
+    return stream
+
+
+def _open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], split: str) -> SampleStream:
     if split not in SPLITS:
         raise StatefulsetError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if not isinstance(spec, DatasetSpec):
@@ -314,7 +346,8 @@ def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], 
                 "shuffle_index": indices.shuffle_index,
             }
 
-        return GPTSource(ds, cache.get_or_build("GPTDataset", description, build), spec.seq_length), description
+        arrays = cache.get_or_build("GPTDataset", description, build)
+        return GPTSource(ds, arrays, spec.seq_length, (lo, hi), samples), description
 
     if len(live) == 1 and (not weighted or per_split):
         # megatron-core builds a lone GPTDataset here, with no surplus and no blend.
@@ -337,5 +370,7 @@ def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], 
         "size": size,
     }
     arrays = cache.get_or_build("BlendedDataset", description, lambda: blending.blend_indices(weights, size))
-    blending.check_budgets(arrays["dataset_index"], [len(s) for s in sources], [p for p, _ in live], split)
-    return MegatronStream(spec, split, identity, sources, arrays)
+    counts = blending.check_budgets(arrays["dataset_index"], [len(s) for s in sources], [p for p, _ in live], split)
+    stream = MegatronStream(spec, split, identity, sources, arrays)
+    stream.blend_counts = counts  # samples drawn from each source: realised shares without another pass
+    return stream

@@ -27,6 +27,10 @@ class Tokenizer(Protocol):
         """All texts' tokens concatenated (int64) and the number of tokens of each text."""
         ...
 
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary's string for one token id (None when it has none)."""
+        ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0-255 and 256 as end of document: no vocabulary file, no download."""
@@ -38,6 +42,10 @@ class ByteTokenizer:
         encoded = [t.encode("utf-8") for t in texts]
         lengths = numpy.fromiter(map(len, encoded), numpy.int64, count=len(encoded))
         return numpy.frombuffer(b"".join(encoded), numpy.uint8).astype(numpy.int64), lengths
+
+    def token_text(self, token_id: int) -> str | None:
+        # Bytes have no strings of their own, and 256 is no text at all.
+        return None
 
     def decode(self, tokens: numpy.ndarray) -> str:
         data = numpy.asarray(tokens)
@@ -106,6 +114,9 @@ class HFTokenizer:
         lengths = numpy.fromiter(map(len, ids), numpy.int64, count=len(ids))
         tokens = numpy.fromiter(chain.from_iterable(ids), numpy.int64, count=int(lengths.sum()))
         return tokens, lengths
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(int(token_id))
 
     def decode(self, tokens: numpy.ndarray) -> str:
         return self._backend.decode([int(t) for t in tokens])

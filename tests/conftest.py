@@ -34,3 +34,19 @@ def write_documents(prefix, docs, dtype) -> None:
 @pytest.fixture
 def rng() -> numpy.random.Generator:
     return numpy.random.default_rng(1234)
+
+
+def write_printable_shards(root, documents=(90, 40, 150), seed: int = 10) -> list[str]:
+    """uint16 shards ``part_k`` of printable bytes, each document ending with the byte tokenizer's
+    EOD (256), with multi-sequence documents and empty sequences: ``tokenizer="bytes"`` decodes them."""
+    rng = numpy.random.default_rng(seed)
+    prefixes = []
+    for k, count in enumerate(documents):
+        prefix = str(root / f"part_{k}")
+        with IndexedDatasetWriter(prefix, numpy.uint16) as writer:
+            for _ in range(count):
+                lengths = [int(x) for x in rng.integers(0, 30, int(rng.integers(1, 4)))]
+                lengths[-1] += 1
+                writer.add_document(numpy.append(rng.integers(32, 127, sum(lengths) - 1), 256), lengths)
+        prefixes.append(prefix)
+    return prefixes
