@@ -6,7 +6,8 @@ train_iterator.iterable.save_state()}`` once per DP rank, but only when ``args.d
 is set, and ``megatron/training/arguments.py`` defines no such argument: ``pretrain_gpt.py``
 rejects ``--dataloader-save`` unless an ``extra_args_provider`` adds it (Megatron-LM's own
 multimodal example does). Without it, no loader state is saved, silently. Megatron-LM never reads
-the files back. Checked against Megatron-LM core_v0.16.1, core_v0.17.1 and main at d98e8a6.
+the files back. Checked against Megatron-LM core_v0.16.1, core_v0.17.1, core_v0.18.2, core_v0.19.0
+and main at d98e8a6.
 
 - :func:`add_statefulset_args`: the ``extra_args_provider`` (``--dataloader-save``, ``--statefulset-spec``).
 - :func:`layout_from_megatron_args`: the :class:`ParallelLayout` of ``get_args()``.
@@ -55,7 +56,7 @@ def add_statefulset_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
             "--dataloader-save",
             type=str,
             default=None,
-            help="folder for the per-DP-rank loader states save_checkpoint writes (e.g. the --save folder)",
+            help="folder for the per-DP-rank loader states save_checkpoint writes (e.g. $SAVE/dataloader)",
         )
     group.add_argument("--statefulset-spec", type=str, default=None, help="the statefulset dataset spec (YAML)")
     return parser
@@ -95,7 +96,7 @@ def load_megatron_dataloader_state_from_args(
     the resume relies on ``consumed_train_samples`` alone), iteration 0, a rank that reads no
     data, or no file for this DP rank (a warning naming the path; expected after the DP size grew).
     With expert parallelism both file names are tried: main's (no expert suffix) and that of
-    core_v0.16/0.17, whose name carries the saving rank's expert rank.
+    core_v0.16 to 0.18, whose name carries the saving rank's expert rank.
     """
     rank = rank if rank is not None else (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
     info = layout.rank_info(rank)
@@ -112,7 +113,7 @@ def load_megatron_dataloader_state_from_args(
             logger.warning(
                 "statefulset: args.dataloader_save is not set, so Megatron-LM will save no loader state "
                 "and a resume relies on consumed_train_samples alone; pass extra_args_provider="
-                "add_statefulset_args and --dataloader-save DIR (for example the --save folder)"
+                "add_statefulset_args and --dataloader-save DIR (a folder of its own, e.g. $SAVE/dataloader)"
             )
         return None
     if iteration == 0 or not info.loads_data:
@@ -120,7 +121,8 @@ def load_megatron_dataloader_state_from_args(
             logger.info("statefulset: loader states go to %s at every checkpoint", folder)
         return None
     pipeline = layout.pp > 1
-    # main (since 0a7f372) names the file without an expert suffix; core_v0.16/0.17 add the saver's expert rank.
+    # core_v0.19 and main (since 0a7f372) name the file without an expert suffix; core_v0.16 to 0.18 add
+    # the saver's expert rank.
     experts = [None, _saver_expert_rank(layout, rank)] if layout.ep > 1 else [None]
     paths = [
         megatron_dataloader_state_path(folder, iteration, info.dp_rank, pipeline_parallel=pipeline, expert_rank=e)

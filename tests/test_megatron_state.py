@@ -117,7 +117,7 @@ def test_resume_reads_what_save_checkpoint_wrote(tmp_path, caplog):
 
 @pytest.mark.parametrize("layout", [ParallelLayout(8, tp=2, ep=2), ParallelLayout(16, tp=2, cp=2, ep=2)])
 def test_resume_finds_the_expert_suffixed_name_of_core_v0_16(tmp_path, layout):
-    # core_v0.16/0.17 add the saving rank's expert rank to the folder name; CP peers of a saver have
+    # core_v0.16 to 0.18 add the saving rank's expert rank to the folder name; CP peers of a saver have
     # another expert rank of their own, so the name must come from the saver's.
     args = _args(world_size=layout.world_size, dataloader_save=str(tmp_path), iteration=5)
     for rank in range(layout.world_size):
