@@ -18,8 +18,11 @@ Pieces:
   ``train_valid_test_datasets_provider`` returns under ``--dataloader-type external``.
 - :meth:`MegatronData.get_batch`: Megatron's ``get_batch`` + ``get_batch_on_this_tp_rank`` for
   users' own loops.
-- :func:`megatron_dataloader_state_path` / :func:`save_megatron_dataloader_state` /
-  :func:`load_megatron_dataloader_state`: the files ``--dataloader-save`` writes.
+- from :mod:`statefulset.megatron_state`, re-exported here: :func:`add_statefulset_args` (the
+  ``extra_args_provider`` that adds ``--dataloader-save``, which stock Megatron-LM reads but never
+  defines), :func:`layout_from_megatron_args`, :func:`load_megatron_dataloader_state_from_args`, and
+  :func:`megatron_dataloader_state_path` / :func:`save_megatron_dataloader_state` /
+  :func:`load_megatron_dataloader_state` for the files ``save_checkpoint`` writes.
 """
 
 from __future__ import annotations
@@ -37,6 +40,14 @@ import torch.distributed as dist
 from .datasets import get_train_dataset, get_val_dataset
 from .errors import StatefulsetError, check_int
 from .loader import SavableLoader, get_loader, get_savable_loader
+from .megatron_state import (
+    add_statefulset_args,
+    layout_from_megatron_args,
+    load_megatron_dataloader_state,
+    load_megatron_dataloader_state_from_args,
+    megatron_dataloader_state_path,
+    save_megatron_dataloader_state,
+)
 from .parallel import ParallelLayout, RankInfo, create_parallel_groups, raise_on_every_rank
 from .pipeline import LINK_TAG, StageLink, TensorSpec, broadcast_batch
 from .spec import DatasetSpec, load_spec
@@ -48,9 +59,12 @@ __all__ = [
     "GPTBatchConfig",
     "MegatronData",
     "MegatronIterator",
+    "add_statefulset_args",
     "build_megatron_iterators",
     "gpt_batch",
+    "layout_from_megatron_args",
     "load_megatron_dataloader_state",
+    "load_megatron_dataloader_state_from_args",
     "megatron_dataloader_state_path",
     "save_megatron_dataloader_state",
 ]
@@ -639,89 +653,3 @@ def build_megatron_iterators(
         batch_config=config,
         groups=groups,
     )
-
-
-# -- Megatron's dataloader state files ----------------------------------------------------------
-def megatron_dataloader_state_path(
-    save_dir: str | os.PathLike[str],
-    iteration: int,
-    dp_rank: int,
-    *,
-    pipeline_parallel: bool,
-    expert_rank: int | None = None,
-) -> str:
-    """Where Megatron-LM's ``maybe_save_dataloader_state`` puts DP rank ``dp_rank``'s loader state.
-
-    ``<save_dir>/iter_{iteration:07d}/mp_rank_00[_000][_{expert_rank:03d}]/train_dataloader_dprank{dp:03d}.pt``:
-    the directory of TP rank 0 and pipeline rank 0 (the ranks that save), with the ``_000``
-    pipeline suffix when the job runs PP > 1 and an expert suffix with expert parallelism.
-    """
-    for name, value in (("iteration", iteration), ("dp_rank", dp_rank)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise StatefulsetError(f"megatron_dataloader_state_path: {name} must be a non-negative int, got {value!r}")
-    folder = "mp_rank_00_000" if pipeline_parallel else "mp_rank_00"
-    if expert_rank is not None:
-        folder += f"_{expert_rank:03d}"
-    name = f"train_dataloader_dprank{dp_rank:03d}.pt"
-    return os.path.join(os.fspath(save_dir), f"iter_{iteration:07d}", folder, name)
-
-
-def save_megatron_dataloader_state(
-    iterator: MegatronIterator | Any,
-    save_dir: str | os.PathLike[str],
-    iteration: int,
-    dp_rank: int,
-    *,
-    pipeline_parallel: bool,
-    expert_rank: int | None = None,
-) -> str | None:
-    """Write ``{"dataloader_state_dict": iterator.save_state()}`` where Megatron-LM would; return the path.
-
-    For loops that do not run Megatron-LM's ``save_checkpoint``. Call it on the saving rank of
-    each DP rank (first stage, TP rank 0). Writes to a temporary name and renames, so a crash
-    never leaves a truncated file. Returns None (writing nothing) when the state is None.
-    """
-    source = getattr(iterator, "iterable", iterator)  # a RerunDataIterator or ours
-    state = source.save_state()
-    if state is None:
-        return None
-    path = megatron_dataloader_state_path(
-        save_dir, iteration, dp_rank, pipeline_parallel=pipeline_parallel, expert_rank=expert_rank
-    )
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    torch.save({"dataloader_state_dict": state}, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def load_megatron_dataloader_state(
-    load_dir: str | os.PathLike[str],
-    iteration: int,
-    dp_rank: int,
-    *,
-    pipeline_parallel: bool,
-    expert_rank: int | None = None,
-    missing_ok: bool = False,
-) -> dict[str, Any] | None:
-    """The loader state in DP rank ``dp_rank``'s ``train_dataloader_dprank*.pt`` (``weights_only`` load).
-
-    A missing file raises :class:`StatefulsetError` naming the path, or returns None with
-    ``missing_ok`` (for example after the DP size grew; resume from ``consumed_train_samples``).
-    """
-    path = megatron_dataloader_state_path(
-        load_dir, iteration, dp_rank, pipeline_parallel=pipeline_parallel, expert_rank=expert_rank
-    )
-    if not os.path.exists(path):
-        if missing_ok:
-            return None
-        raise StatefulsetError(f"{path}: no dataloader state for DP rank {dp_rank} at iteration {iteration}")
-    try:
-        saved = torch.load(path, weights_only=True)
-    except Exception as exc:  # torch raises many types for a damaged file
-        raise StatefulsetError(f"{path}: cannot read the dataloader state: {exc}") from None
-    if not isinstance(saved, dict) or "dataloader_state_dict" not in saved:
-        raise StatefulsetError(f"{path}: not a Megatron dataloader state file (no 'dataloader_state_dict')")
-    state = saved["dataloader_state_dict"]
-    check_state(state, path)
-    return state

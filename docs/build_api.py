@@ -1,0 +1,55 @@
+"""Build the API reference (HTML) from the docstrings with pdoc: ``python docs/build_api.py [--out DIR]``.
+
+Needs the ``docs`` extra (``pip install -e ".[docs]"``). Every module of the package gets a
+page; ``statefulset.datamodule`` needs the ``lightning`` extra and is left out, with a note,
+without it. Docstrings are reStructuredText (``:class:`...``` roles become links). Exits 1 when
+pdoc warns (a module that does not import, a docstring it cannot render), so the build that
+tests/test_api_docs.py runs fails on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pkgutil
+import sys
+import warnings
+from pathlib import Path
+
+
+def modules() -> list[str]:
+    """``statefulset`` and every submodule (pdoc alone walks only the package's ``__all__``)."""
+    import statefulset
+
+    names = ["statefulset"] + [m.name for m in pkgutil.iter_modules(statefulset.__path__, "statefulset.")]
+    if not any(importlib.util.find_spec(name) for name in ("lightning", "pytorch_lightning")):
+        print("build_api: leaving out statefulset.datamodule (needs the lightning extra)", file=sys.stderr)
+        names.remove("statefulset.datamodule")
+    return names
+
+
+def build(out: Path) -> list[str]:
+    """Write the HTML into ``out``; return pdoc's warnings (empty when the build is clean)."""
+    import pdoc
+    import pdoc.render
+
+    pdoc.render.configure(docformat="restructuredtext", search=True, show_source=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pdoc.pdoc(*modules(), output_directory=out)
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("build/api"), help="output folder (default build/api)")
+    args = parser.parse_args(argv)
+    problems = build(args.out)
+    for problem in problems:
+        print(f"build_api: {problem}", file=sys.stderr)
+    print(f"API reference in {args.out / 'index.html'}" + (f"; {len(problems)} warning(s)" if problems else ""))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
