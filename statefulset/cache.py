@@ -9,7 +9,8 @@ without a shared filesystem. Here:
 - every process may build: an ``flock`` makes concurrent builders on one filesystem wait for
   the first, and on separate filesystems (one per node) each node builds its own copy;
 - an entry appears atomically (a folder written under a temporary name, then renamed), so a
-  crash mid-build leaves nothing that looks complete.
+  crash mid-build leaves nothing that looks complete; the next build of that entry, holding its
+  lock, removes the temporary folder a killed builder left.
 """
 
 from __future__ import annotations
@@ -75,22 +76,42 @@ def shard_digest(prefix: str, memo_dir: str | None = None) -> str:
 
 # -- the array cache ------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    """An exclusive flock, released by the kernel if the holder dies; no lock where flock is unsupported."""
+def _locked(path: str) -> Iterator[bool]:
+    """An exclusive flock, released by the kernel if the holder dies; no lock where flock is unsupported.
+
+    Yields whether the lock is held.
+    """
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
-        yield
+        yield False
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            held = True
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-        yield
+            held = False
+        yield held
     finally:
         os.close(fd)
+
+
+def _temp_prefix(path: str) -> str:
+    return ".tmp-" + os.path.basename(path) + "-"
+
+
+def _remove_stale_temps(path: str) -> None:
+    """Remove what killed builders of entry ``path`` left; only called with the entry's lock held,
+    so no live process is writing any of them (every builder of the entry takes that lock)."""
+    parent, prefix = os.path.dirname(path), _temp_prefix(path)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if name.startswith(prefix):
+                logger.info("statefulset: removing %s, left by an index build that was killed", name)
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 class IndexCache:
@@ -119,10 +140,12 @@ class IndexCache:
         except OSError as exc:
             logger.warning("statefulset: cannot create cache folder %s (%s); building in memory", self.root, exc)
             return build()
-        with _locked(path + ".lock"):
+        with _locked(path + ".lock") as held:
             found = self._load(path, description)  # another process may have finished while we waited
             if found is not None:
                 return found
+            if held:
+                _remove_stale_temps(path)
             arrays = build()
             builds[kind] = builds.get(kind, 0) + 1
             logger.info("statefulset: built %s indices into %s", kind, path)
@@ -155,7 +178,7 @@ class IndexCache:
     @staticmethod
     def _store(path: str, description: dict[str, Any], arrays: dict[str, numpy.ndarray]) -> None:
         parent = os.path.dirname(path)
-        tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-" + os.path.basename(path) + "-")
+        tmp = tempfile.mkdtemp(dir=parent, prefix=_temp_prefix(path))
         try:
             for name, array in arrays.items():
                 with open(os.path.join(tmp, name + ".npy"), "wb") as f:
