@@ -27,8 +27,9 @@ import numpy
 from . import idx_format
 from .errors import StatefulsetError
 from .progress import Progress
+from .shard_names import natural_key
 from .tokenization import TokenizerSpec
-from .writer import IndexedDatasetWriter, natural_key
+from .writer import IndexedDatasetWriter
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,7 @@ vectorised, and with a streaming merge whose memory does not grow with the corpu
 
 from __future__ import annotations
 
-import glob
 import os
-import re
 import shutil
 import tempfile
 import warnings
@@ -393,20 +391,6 @@ class IndexedDatasetWriter:
             if spill is not None:
                 spill.close()
         self._closed = True
-
-
-def natural_key(text: str) -> list[Any]:
-    """Sort key that orders ``part_2`` before ``part_10``."""
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", text)]
-
-
-def find_prefixes(location: str) -> list[str]:
-    """Shard prefixes in a folder (or matching a glob), in natural order; each needs .bin and .idx."""
-    pattern = os.path.join(location, "*.idx") if os.path.isdir(location) else location
-    if not pattern.endswith(".idx"):
-        pattern += ".idx"
-    prefixes = [p[: -len(".idx")] for p in glob.glob(pattern) if os.path.exists(p[: -len(".idx")] + ".bin")]
-    return sorted(prefixes, key=natural_key)
 
 
 def merge_datasets(
