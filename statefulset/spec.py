@@ -54,8 +54,10 @@ def _blend(value: Any) -> Blend:
         raise ValueError(f"expected a prefix, a mapping prefix -> weight or a list, got {type(value).__name__}")
     out: Blend = []
     for prefix, weight in pairs:
-        if not isinstance(prefix, str) or not prefix:
-            raise ValueError(f"prefix {prefix!r} is not a non-empty string")
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix {prefix!r} ({type(prefix).__name__}) is not a string; quote it in YAML")
+        if not prefix:
+            raise ValueError("a prefix is an empty string")
         if isinstance(weight, bool) or not isinstance(weight, int | float):
             raise ValueError(f"weight of {prefix!r} is {weight!r}, not a number")
         if not math.isfinite(weight) or weight < 0:
