@@ -7,7 +7,8 @@ without a shared filesystem. Here:
 - the key hashes everything the arrays depend on, including each shard's *content* digest
   (of its ``.idx``: the indices depend on sequence lengths only, and those live there);
 - every process may build: an ``flock`` makes concurrent builders on one filesystem wait for
-  the first, and on separate filesystems (one per node) each node builds its own copy;
+  the first, and on separate filesystems (one per node) each node builds its own copy; a waiter
+  logs what it waits for and gives up after ``STATEFULSET_CACHE_WAIT`` seconds (default 3600);
 - an entry appears atomically (a folder written under a temporary name, then renamed), so a
   crash mid-build leaves nothing that looks complete; the next build of that entry, holding its
   lock, removes the temporary folder a killed builder left.
@@ -24,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +40,10 @@ CACHE_VERSION = 1
 # Entries this process built (not loaded), by kind: what tests and logs use to see who built.
 builds: dict[str, int] = {}
 _DIGEST_CHUNK = 1 << 20  # constant memory: hashing a shard never holds more than this
+# How long a process waits for another one's build of the same entry: a build of 10^9 sequences
+# takes minutes, so an hour means the builder is stuck (its lock would be gone had it died).
+_DEFAULT_WAIT_S = 3600.0
+_REPORT_EVERY_S = 60.0
 
 
 def description_key(description: dict[str, Any]) -> str:
@@ -88,7 +94,7 @@ def _locked(path: str) -> Iterator[bool]:
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _wait_for_lock(fd, path)
             held = True
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
@@ -97,6 +103,47 @@ def _locked(path: str) -> Iterator[bool]:
         yield held
     finally:
         os.close(fd)
+
+
+def _wait_bound() -> float:
+    text = os.environ.get("STATEFULSET_CACHE_WAIT", "")
+    try:
+        bound = float(text) if text.strip() else _DEFAULT_WAIT_S
+    except ValueError:
+        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be a number of seconds, got {text!r}") from None
+    if not bound > 0:
+        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be positive, got {text!r}")
+    return bound
+
+
+def _wait_for_lock(fd: int, path: str) -> None:
+    """Take the flock, polling, saying what it waits for, and giving up after the bound."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    bound, start = _wait_bound(), time.monotonic()
+    entry = path.removesuffix(".lock")
+    logger.info("statefulset: waiting for another process that is building %s", entry)
+    pause, reported = 0.01, start
+    while True:
+        time.sleep(pause)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if now - start >= bound:
+            raise StatefulsetError(
+                f"{entry}: waited {bound:g} s for another process building this index (it holds {path}, "
+                "and is alive: a dead one's lock is released); check that process, or raise STATEFULSET_CACHE_WAIT"
+            )
+        if now - reported >= _REPORT_EVERY_S:
+            reported = now
+            logger.warning("statefulset: still waiting (%.0f s) for another process building %s", now - start, entry)
+        pause = min(pause * 2, 1.0, max(bound - (now - start), 0.001))
 
 
 def _temp_prefix(path: str) -> str:

@@ -230,3 +230,30 @@ def test_a_live_builders_temporary_is_left_alone(tmp_path):
     thread.join(timeout=60)
     numpy.testing.assert_array_equal(got["a"], numpy.arange(5))  # loaded the child's entry, built nothing
     assert stale(root) == []
+
+
+def test_waiting_for_a_stuck_builder_is_bounded_and_says_for_what(tmp_path, monkeypatch, caplog):
+    import logging
+
+    root, go = str(tmp_path / "c"), str(tmp_path / "go")
+    child = subprocess.Popen([sys.executable, "-c", BUILDER, root, "wait", go])  # holds the entry's lock
+    try:
+        deadline = time.monotonic() + 60
+        while not (os.path.isdir(root) and stale(root)):
+            assert time.monotonic() < deadline and child.poll() is None, "the builder never started storing"
+            time.sleep(0.05)
+        monkeypatch.setenv("STATEFULSET_CACHE_WAIT", "1.5")
+        start = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="statefulset"), pytest.raises(StatefulsetError) as caught:
+            IndexCache(root).get_or_build("GPTDataset", {"x": 1}, dict)
+        assert 1.5 <= time.monotonic() - start < 10
+        entry = IndexCache(root).entry_path("GPTDataset", {"x": 1})
+        assert str(caught.value).startswith(f"{entry}: waited 1.5 s for another process building this index")
+        assert "STATEFULSET_CACHE_WAIT" in str(caught.value)
+        assert f"waiting for another process that is building {entry}" in caplog.text
+        monkeypatch.setenv("STATEFULSET_CACHE_WAIT", "soon")
+        with pytest.raises(StatefulsetError, match="STATEFULSET_CACHE_WAIT must be a number of seconds, got 'soon'"):
+            IndexCache(root).get_or_build("GPTDataset", {"x": 1}, dict)
+    finally:
+        open(go, "w").close()
+        assert child.wait(timeout=60) == 0
