@@ -1,7 +1,9 @@
-"""A killed writer's hidden temporaries are removed by the next writer of the same prefix, and only those.
+"""Killed writers and workers: the next writer of a prefix removes its stale temporaries (only those),
+and a killed tokeniser worker fails the run instead of hanging it.
 
-Real processes throughout: ``statefulset preprocess`` killed by SIGKILL mid-run (alone, and with
-its tokeniser workers left running as orphans), live writers in other processes, real locks.
+Real processes throughout: ``statefulset preprocess`` killed by SIGKILL mid-run (alone, with
+its tokeniser workers left running as orphans, or one of its workers), live writers in other
+processes, real locks.
 """
 
 from __future__ import annotations
@@ -189,3 +191,29 @@ def test_forked_children_do_not_keep_a_dead_writers_file(tmp_path):
         assert temps(tmp_path) == []
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_killed_tokeniser_worker_fails_the_run_instead_of_hanging(tmp_path):
+    """multiprocessing.Pool replaces a killed worker and waits forever for its chunk; preprocess must not."""
+    big = tmp_path / "big.jsonl"
+    write_jsonl(big, 60_000)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        preprocess_cmd(big, out / "x", 2), stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        wait_for(lambda: len(children(proc.pid)) >= 2, "the tokeniser workers")
+        os.kill(children(proc.pid)[0], signal.SIGKILL)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("preprocess hung after one of its workers was killed")
+        stderr = proc.stderr.read()
+        assert code == 2, stderr
+        assert "a tokeniser worker process died (killed by a signal? out of memory?); nothing was written" in stderr
+        assert "Traceback" not in stderr
+        assert sorted(os.listdir(out)) == []  # nothing under the final names, no temporaries either
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
