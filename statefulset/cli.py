@@ -50,6 +50,12 @@ def _merge(args: argparse.Namespace) -> int:
             raise StatefulsetError(f"{item}: neither a folder of shards nor a prefix with .bin and .idx")
     if not args.allow_mixed_keys:
         refuse_mixed_keys(prefixes, " ".join(args.input), "--allow-mixed-keys")
+    output = os.path.abspath(args.output_prefix)
+    if any(os.path.abspath(p) == output for p in prefixes):  # a rerun into the same folder
+        raise StatefulsetError(
+            f"{args.output_prefix}: the output is also one of the inputs (an earlier merge?); "
+            "merging it again would repeat its data: write elsewhere, or remove it first"
+        )
     merged = merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
     print(f"merged {len(prefixes)} shards into {merged.path_prefix}: {merged!r}")
     return 0

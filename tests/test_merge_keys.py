@@ -66,3 +66,13 @@ def test_key_groups():
         "text_sentence": ["a/z_text_sentence"],
         OTHER_NAMES: ["a/plain"],
     }
+
+
+def test_an_earlier_output_among_the_inputs_is_refused(folder, tmp_path, capsys):
+    """Merging into the input folder, then running the same command again, would repeat the first merge."""
+    out = folder / "all_text_document"
+    args = ["merge", "--input", f"{folder}/*_text_document", "--output-prefix", str(out)]
+    assert main(args) == 0
+    assert main(args) == 2
+    assert "all_text_document: the output is also one of the inputs" in capsys.readouterr().err
+    assert merged_rows(out) == [[1, 0], [2, 0], [10, 0]]  # the first merge, untouched
