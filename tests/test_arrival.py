@@ -43,6 +43,15 @@ def _outcome(call) -> dict:
         return {"error": str(exc), "seconds": time.monotonic() - started}
 
 
+def assert_named_within_bound(outcome: dict, call: str, dp_ranks: list, global_ranks: list) -> None:
+    assert outcome["error"] is not None, outcome
+    assert (
+        f"{call}: DP rank(s) {dp_ranks} (global rank(s) {global_ranks}) of the data_parallel_group did not call "
+        f"{call} within 3 s" in outcome["error"]
+    )
+    assert BOUND <= outcome["seconds"] < BOUND + 15  # bounded: nowhere near the group's 120 s timeout
+
+
 def _wait_for_peers(out: str, ranks) -> None:
     """The rank that skipped the call stays alive until the others have reported (bounded)."""
     import os
@@ -66,13 +75,7 @@ def _save_on_some_ranks(rank: int, world: int, init_file: str, out: str, spec: d
 def test_save_state_global_on_some_ranks_names_the_missing_ones(tmp_path, spec):
     spawn(_save_on_some_ranks, 3, tmp_path, str(tmp_path), spec)
     for rank in (0, 1):
-        outcome = torch.load(tmp_path / f"{rank}.pt")
-        assert outcome["error"] is not None, outcome
-        assert (
-            "save_state_global: DP rank(s) [2] (global rank(s) [2]) of the data_parallel_group did not call "
-            "save_state_global within 3 s" in outcome["error"]
-        )
-        assert BOUND <= outcome["seconds"] < BOUND + 15  # bounded: nowhere near the group's 120 s timeout
+        assert_named_within_bound(torch.load(tmp_path / f"{rank}.pt"), "save_state_global", [2], [2])
 
 
 def _restore_in_a_dp_group(rank: int, world: int, init_file: str, out: str, spec: dict) -> None:
@@ -96,12 +99,7 @@ def _restore_in_a_dp_group(rank: int, world: int, init_file: str, out: str, spec
 
 def test_restore_state_global_in_a_dp_group_names_dp_and_global_ranks(tmp_path, spec):
     spawn(_restore_in_a_dp_group, 3, tmp_path, str(tmp_path), spec)
-    outcome = torch.load(tmp_path / "2.pt")
-    assert (
-        "restore_state_global: DP rank(s) [0] (global rank(s) [1]) of the data_parallel_group did not call "
-        "restore_state_global within 3 s" in outcome["error"]
-    )
-    assert BOUND <= outcome["seconds"] < BOUND + 15
+    assert_named_within_bound(torch.load(tmp_path / "2.pt"), "restore_state_global", [0], [1])
 
 
 def _save_everywhere(rank: int, world: int, init_file: str, out: str, spec: dict, dst_ranks: list) -> None:
@@ -158,9 +156,4 @@ def _datamodule_state_on_one_rank(rank: int, world: int, init_file: str, out: st
 def test_datamodule_state_dict_on_one_rank_names_the_other(tmp_path, spec):
     pytest.importorskip("lightning")
     spawn(_datamodule_state_on_one_rank, 2, tmp_path, str(tmp_path), spec)
-    outcome = torch.load(tmp_path / "0.pt")
-    assert (
-        "StatefulsetDataModule.state_dict: DP rank(s) [1] (global rank(s) [1]) of the data_parallel_group did not "
-        "call StatefulsetDataModule.state_dict within 3 s" in outcome["error"]
-    )
-    assert BOUND <= outcome["seconds"] < BOUND + 15
+    assert_named_within_bound(torch.load(tmp_path / "0.pt"), "StatefulsetDataModule.state_dict", [1], [1])
