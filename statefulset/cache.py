@@ -7,9 +7,11 @@ without a shared filesystem. Here:
 - the key hashes everything the arrays depend on, including each shard's *content* digest
   (of its ``.idx``: the indices depend on sequence lengths only, and those live there);
 - every process may build: an ``flock`` makes concurrent builders on one filesystem wait for
-  the first, and on separate filesystems (one per node) each node builds its own copy;
+  the first, and on separate filesystems (one per node) each node builds its own copy; a waiter
+  logs what it waits for and gives up after ``STATEFULSET_CACHE_WAIT`` seconds (default 3600);
 - an entry appears atomically (a folder written under a temporary name, then renamed), so a
-  crash mid-build leaves nothing that looks complete.
+  crash mid-build leaves nothing that looks complete; the next build of that entry, holding its
+  lock, removes the temporary folder a killed builder left.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ CACHE_VERSION = 1
 # Entries this process built (not loaded), by kind: what tests and logs use to see who built.
 builds: dict[str, int] = {}
 _DIGEST_CHUNK = 1 << 20  # constant memory: hashing a shard never holds more than this
+# How long a process waits for another one's build of the same entry: a build of 10^9 sequences
+# takes minutes, so an hour means the builder is stuck (its lock would be gone had it died).
+_DEFAULT_WAIT_S = 3600.0
+_REPORT_EVERY_S = 60.0
 
 
 def description_key(description: dict[str, Any]) -> str:
@@ -76,22 +82,83 @@ def shard_digest(prefix: str, memo_dir: str | None = None) -> str:
 
 # -- the array cache ------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _locked(path: str) -> Iterator[None]:
-    """An exclusive flock, released by the kernel if the holder dies; no lock where flock is unsupported."""
+def _locked(path: str) -> Iterator[bool]:
+    """An exclusive flock, released by the kernel if the holder dies; no lock where flock is unsupported.
+
+    Yields whether the lock is held.
+    """
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:
-        yield
+        yield False
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _wait_for_lock(fd, path)
+            held = True
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-        yield
+            held = False
+        yield held
     finally:
         os.close(fd)
+
+
+def _wait_bound() -> float:
+    text = os.environ.get("STATEFULSET_CACHE_WAIT", "")
+    try:
+        bound = float(text) if text.strip() else _DEFAULT_WAIT_S
+    except ValueError:
+        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be a number of seconds, got {text!r}") from None
+    if not bound > 0:
+        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be positive, got {text!r}")
+    return bound
+
+
+def _wait_for_lock(fd: int, path: str) -> None:
+    """Take the flock, polling, saying what it waits for, and giving up after the bound."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    bound, start = _wait_bound(), time.monotonic()
+    entry = path.removesuffix(".lock")
+    logger.info("statefulset: waiting for another process that is building %s", entry)
+    pause, reported = 0.01, start
+    while True:
+        time.sleep(pause)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if now - start >= bound:
+            raise StatefulsetError(
+                f"{entry}: waited {bound:g} s for another process building this index (it holds {path}, "
+                "and is alive: a dead one's lock is released); check that process, or raise STATEFULSET_CACHE_WAIT"
+            )
+        if now - reported >= _REPORT_EVERY_S:
+            reported = now
+            logger.warning("statefulset: still waiting (%.0f s) for another process building %s", now - start, entry)
+        pause = min(pause * 2, 1.0, max(bound - (now - start), 0.001))
+
+
+def _temp_prefix(path: str) -> str:
+    return ".tmp-" + os.path.basename(path) + "-"
+
+
+def _remove_stale_temps(path: str) -> None:
+    """Remove what killed builders of entry ``path`` left; only called with the entry's lock held,
+    so no live process is writing any of them (every builder of the entry takes that lock)."""
+    parent, prefix = os.path.dirname(path), _temp_prefix(path)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if name.startswith(prefix):
+                logger.info("statefulset: removing %s, left by an index build that was killed", name)
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
 class IndexCache:
@@ -122,10 +189,12 @@ class IndexCache:
         except OSError as exc:
             logger.warning("statefulset: cannot create cache folder %s (%s); building in memory", self.root, exc)
             return build()
-        with _locked(path + ".lock"):
+        with _locked(path + ".lock") as held:
             found = self._load(path, description)  # another process may have finished while we waited
             if found is not None:
                 return found
+            if held:
+                _remove_stale_temps(path)
             arrays = _timed_build(kind, build, f"into {path}")
             try:
                 self._store(path, description, arrays)
@@ -156,7 +225,7 @@ class IndexCache:
     @staticmethod
     def _store(path: str, description: dict[str, Any], arrays: dict[str, numpy.ndarray]) -> None:
         parent = os.path.dirname(path)
-        tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-" + os.path.basename(path) + "-")
+        tmp = tempfile.mkdtemp(dir=parent, prefix=_temp_prefix(path))
         try:
             for name, array in arrays.items():
                 with open(os.path.join(tmp, name + ".npy"), "wb") as f:

@@ -34,7 +34,8 @@ def _preprocess(args: argparse.Namespace) -> int:
 
 def _merge(args: argparse.Namespace) -> int:
     from .indexed import IndexedDataset
-    from .writer import find_prefixes, merge_datasets
+    from .shard_names import find_prefixes, refuse_mixed_keys
+    from .writer import merge_datasets
 
     prefixes: list[str] = []
     for item in args.input:
@@ -47,6 +48,14 @@ def _merge(args: argparse.Namespace) -> int:
             prefixes.append(item)
         else:
             raise StatefulsetError(f"{item}: neither a folder of shards nor a prefix with .bin and .idx")
+    if not args.allow_mixed_keys:
+        refuse_mixed_keys(prefixes, " ".join(args.input), "--allow-mixed-keys")
+    output = os.path.abspath(args.output_prefix)
+    if any(os.path.abspath(p) == output for p in prefixes):  # a rerun into the same folder
+        raise StatefulsetError(
+            f"{args.output_prefix}: the output is also one of the inputs (an earlier merge?); "
+            "merging it again would repeat its data: write elsewhere, or remove it first"
+        )
     merged = merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
     print(f"merged {len(prefixes)} shards into {merged.path_prefix}: {merged!r}")
     return 0
@@ -145,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, help="folders, glob patterns or prefixes")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--multimodal", action="store_true")
+    p.add_argument(
+        "--allow-mixed-keys",
+        action="store_true",
+        help="merge shards of different JSON keys (x_text_document with x_title_document) into one",
+    )
     p.set_defaults(run=_merge)
 
     p = sub.add_parser(

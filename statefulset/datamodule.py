@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 import torch.distributed as dist
 
+from .arrival import meet
 from .datasets import get_train_dataset, get_val_dataset
 from .errors import StatefulsetError, check_int
 from .loader import Loader, SavableLoader, get_loader, get_savable_loader
@@ -62,6 +63,8 @@ pl = _import_lightning()
 FORMAT = "statefulset.datamodule"
 VERSION = 1
 _LOADER_OPTIONS = {"prefetch_factor", "pin_memory", "persistent_workers", "multiprocessing_context", "timeout"}
+# Only the savable training loader runs collectives (see SavableLoader).
+_TRAIN_LOADER_OPTIONS = {"collective_timeout"}
 
 
 class StageLoader:
@@ -142,7 +145,8 @@ class StatefulsetDataModule(pl.LightningDataModule):
             the world tries megatron-core's ``parallel_state``.
         seed_offset: ``WorkerConfig.seed_offset`` (worker seeds for user transforms only).
         loader_options: ``prefetch_factor``, ``pin_memory``, ``persistent_workers``,
-            ``multiprocessing_context``, ``timeout`` for every loader.
+            ``multiprocessing_context``, ``timeout`` for every loader; ``collective_timeout`` for the
+            training loader (how long ``state_dict()`` waits for every DP rank, default 300 s).
     """
 
     def __init__(
@@ -176,11 +180,11 @@ class StatefulsetDataModule(pl.LightningDataModule):
                 raise StatefulsetError(f"StatefulsetDataModule: dp_rank {dp_rank} is outside dp_size {dp_size}")
         self._explicit_dp = (dp_rank, dp_size) if dp_size is not None else None
         self.data_parallel_group = data_parallel_group
-        unknown = sorted(set(loader_options) - _LOADER_OPTIONS)
+        unknown = sorted(set(loader_options) - _LOADER_OPTIONS - _TRAIN_LOADER_OPTIONS)
         if unknown:
             raise StatefulsetError(
                 f"StatefulsetDataModule: unknown keyword argument(s) {', '.join(unknown)}; loader options are "
-                f"{', '.join(sorted(_LOADER_OPTIONS))}"
+                f"{', '.join(sorted(_LOADER_OPTIONS | _TRAIN_LOADER_OPTIONS))}"
             )
         self.loader_options = loader_options
         # BioNeMo / NeMo bookkeeping: consumed_samples = init_consumed_samples + (global_step -
@@ -331,7 +335,8 @@ class StatefulsetDataModule(pl.LightningDataModule):
             worker_config=self._worker_config(),
             limit=self.limit_val_batches,
         )
-        self._eval_loaders[split] = get_loader(dataset, **self.loader_options)
+        options = {k: v for k, v in self.loader_options.items() if k in _LOADER_OPTIONS}
+        self._eval_loaders[split] = get_loader(dataset, **options)
         return self._eval_loaders[split]
 
     def _eval_loader(self, split: str, mode: str) -> StageLoader:
@@ -392,6 +397,7 @@ class StatefulsetDataModule(pl.LightningDataModule):
                 f"StatefulsetDataModule.state_dict: DP rank {dp_rank} of {dp_size} does not match the "
                 f"data_parallel_group (rank {dist.get_rank(group)} of {dist.get_world_size(group)})"
             )
+        meet("StatefulsetDataModule.state_dict", group, loader.collective_timeout)
         states: list[Any] = [None] * dp_size
         dist.all_gather_object(states, state, group=group)
         return states

@@ -20,10 +20,11 @@ from .indexed import IndexedDataset
 from .inspection import inspect_shard
 from .loader import get_savable_loader
 from .preprocess import preprocess
+from .shard_names import find_prefixes
 from .stream import open_stream
 from .tokenization import ByteTokenizer
 from .workers import WorkerConfig
-from .writer import IndexedDatasetWriter, find_prefixes, merge_datasets
+from .writer import IndexedDatasetWriter, merge_datasets
 
 _WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "

@@ -129,6 +129,15 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return self._bin_file.size // self._itemsize
 
+    def token_span(self, first: int, stop: int) -> tuple[int, int]:
+        """Token offsets in the ``.bin`` where sequences ``[first, stop)`` begin and end: O(1), since
+        consecutive sequences are consecutive in the file. ``(0, 0)`` for no sequences."""
+        if stop <= first:
+            return 0, 0
+        begin = int(self.sequence_pointers[first]) // self._itemsize
+        end = int(self.sequence_pointers[stop - 1]) // self._itemsize + int(self.sequence_lengths[stop - 1])
+        return begin, end
+
     @property
     def index_nbytes(self) -> int:
         return self._arrays.header.index_size

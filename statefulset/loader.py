@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from .arrival import DEFAULT_TIMEOUT, check_timeout, meet
 from .datasets import StreamDataset
 from .errors import StatefulsetError, check_int
 from .permutation import derive_key
@@ -114,11 +115,17 @@ class SavableLoader:
     """Megatron-Energon's ``SavableDataLoader`` surface over a deterministic stream.
 
     One persistent iterator: a second ``for`` loop continues where the first stopped.
+    ``collective_timeout``: seconds :meth:`save_state_global` / :meth:`restore_state_global` wait
+    for every DP rank to call them before raising a ``StatefulsetError`` that names the missing
+    ranks (default 300; None waits as long as the process group does).
     """
 
-    def __init__(self, dataset: StreamDataset, **options: Any) -> None:
+    def __init__(
+        self, dataset: StreamDataset, collective_timeout: float | None = DEFAULT_TIMEOUT, **options: Any
+    ) -> None:
         self.dataset = dataset
         self.worker_config = dataset.worker_config
+        self.collective_timeout = check_timeout(collective_timeout, "collective_timeout")
         self._options = _options(**options)
         self._cursor = dataset.layout()
         self._taken = 0  # batches handed to the trainer since the cursor's batch
@@ -222,6 +229,7 @@ class SavableLoader:
             raise StatefulsetError(
                 f"save_state_global: global rank {global_dst_rank} is not in this rank's data_parallel_group"
             ) from None
+        meet("save_state_global", group, self.collective_timeout, f"global_dst_rank={global_dst_rank}")
         gathered: list[Any] | None = [None] * self._group_size() if dist.get_rank() == global_dst_rank else None
         dist.gather_object(state, gathered, dst=global_dst_rank, group=group)
         return gathered
@@ -245,6 +253,7 @@ class SavableLoader:
             if self._distributed():
                 group = wc.data_parallel_group
                 source = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+                meet("restore_state_global", group, self.collective_timeout, f"src_rank={src_rank}")
                 box = [state if wc.rank == src_rank else None]
                 dist.broadcast_object_list(box, src=source, group=group)
                 state = box[0]
@@ -307,15 +316,19 @@ def get_savable_loader(
     persistent_workers: bool = True,
     multiprocessing_context: Any = None,
     timeout: float = 0,
+    collective_timeout: float | None = DEFAULT_TIMEOUT,
 ) -> SavableLoader:
     """A loader whose state saves and restores exactly (Energon's signature).
 
     The checkpoint_* / n_checkpoints / gc / watchdog keywords exist because Energon replays from
     periodic worker snapshots; a state here is a cursor, so they have nothing to tune.
+    ``collective_timeout`` bounds the wait of ``save_state_global`` / ``restore_state_global`` for
+    the other DP ranks (seconds, default 300; see :class:`SavableLoader`).
     """
     _check_config(dataset, worker_config)
     return SavableLoader(
         dataset,
+        collective_timeout=collective_timeout,
         prefetch_factor=prefetch_factor,
         pin_memory=pin_memory,
         persistent_workers=persistent_workers,

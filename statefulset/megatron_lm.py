@@ -632,8 +632,9 @@ def build_megatron_iterators(
                 dataset = get_val_dataset(spec, split_part=split, batch_size=b, worker_config=wc)
                 if len(dataset) == 0:
                     raise StatefulsetError(
-                        f"{split} split has {len(dataset.stream)} samples, fewer than one global batch "
-                        f"({info.dp_size} DP ranks x micro_batch_size {b}); pass {split}=False or give it more data"
+                        f"{spec.source}: the {split} split has {len(dataset.stream)} samples, fewer than one "
+                        f"global batch ({info.dp_size} DP ranks x micro_batch_size {b}); pass {split}=False or give "
+                        "it more data"
                     )
                 loader = get_loader(dataset, **loader_options)
             built[split] = MegatronIterator(split, format, config, loader=loader, link=link, cyclic=split != "train")

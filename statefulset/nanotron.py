@@ -493,12 +493,12 @@ def build_nanotron_dataloader(
     if sequence_length is not None and check_int("sequence_length", sequence_length, 1, where) != seq_length:
         raise StatefulsetError(
             f"{where}: sequence_length {sequence_length} (the trainer's tokens.sequence_length) differs from the "
-            f"spec's seq_length {seq_length}"
+            f"spec's seq_length {seq_length} ({parsed.source})"
         )
     if seq_length % layout.cp:
         raise StatefulsetError(
             f"{where}: the spec's seq_length {seq_length} is not divisible by cp {layout.cp} "
-            "(Nanotron's collator needs equal context-parallel slices)"
+            f"({parsed.source}; Nanotron's collator needs equal context-parallel slices)"
         )
 
     needs_link = input_pp_rank != output_pp_rank

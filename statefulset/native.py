@@ -103,12 +103,7 @@ class WindowSource:
         self.dataset = dataset
         self.sequence_range = (lo, hi)
         self.seq_length = seq_length
-        if hi > lo:
-            itemsize = dataset.dtype.itemsize
-            self.first_token = int(dataset.sequence_pointers[lo]) // itemsize
-            last = int(dataset.sequence_pointers[hi - 1]) // itemsize + int(dataset.sequence_lengths[hi - 1])
-        else:
-            self.first_token = last = 0
+        self.first_token, last = dataset.token_span(lo, hi)
         self.num_tokens = last - self.first_token
         self.windows = max(0, (self.num_tokens - 1) // seq_length)
         if self.windows == 0:

@@ -20,6 +20,8 @@ import os
 import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy
@@ -27,8 +29,9 @@ import numpy
 from . import idx_format
 from .errors import StatefulsetError
 from .progress import Progress
+from .shard_names import natural_key
 from .tokenization import TokenizerSpec
-from .writer import IndexedDatasetWriter, natural_key
+from .writer import IndexedDatasetWriter
 
 
 @dataclass(frozen=True)
@@ -262,16 +265,27 @@ def _results(chunks: Iterator[_Chunk], workers: int, init_args: tuple) -> Iterat
         return
     # fork starts workers in milliseconds; elsewhere fall back to the platform's default.
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-    with multiprocessing.get_context(method).Pool(workers, _init_worker, init_args) as pool:
-        pending: deque = deque()
+    # Not multiprocessing.Pool: when one of its workers is killed (OOM killer, SIGKILL) it starts
+    # another and the lost chunk's result never comes, so preprocess would wait forever.
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _init_worker, init_args)
+    pending: deque[tuple[_Chunk, Future]] = deque()
+    try:
         for chunk in chunks:
-            pending.append((chunk, pool.apply_async(_encode, (chunk,))))
+            pending.append((chunk, pool.submit(_encode, chunk)))
             if len(pending) >= 2 * workers + 2:
-                done, result = pending.popleft()
-                yield done, result.get()
+                done, future = pending.popleft()
+                yield done, future.result()
         while pending:
-            done, result = pending.popleft()
-            yield done, result.get()
+            done, future = pending.popleft()
+            yield done, future.result()
+    except BrokenProcessPool:
+        where = f"{pending[0][0].path}: " if pending else ""
+        raise StatefulsetError(
+            f"{where}a tokeniser worker process died (killed by a signal? out of memory?); nothing was "
+            "written; run again (with fewer --workers if memory ran out)"
+        ) from None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def preprocess(

@@ -15,6 +15,7 @@ Sample ``p`` is tokens ``[k·S, (k+1)·S + 1)`` of that stream with ``k = shuffl
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy
@@ -23,6 +24,30 @@ from .errors import StatefulsetError
 
 _INT32_MAX = numpy.iinfo(numpy.int32).max
 _FINAL_EPOCH_THRESHOLD = 0.80
+logger = logging.getLogger("statefulset")
+# (prefix, split, seq_length) already warned about in this process: workers and reopens stay quiet.
+_WARNED: set[tuple[str, str, int]] = set()
+
+
+def warn_if_sample_exceeds_split(prefix: str, split: str, tokens: int, seq_length: int, extra: int = 1) -> None:
+    """Log a warning when one sample needs more tokens than the whole split holds.
+
+    megatron-core allows it: the token stream is the split's documents epoch after epoch, so such a
+    sample wraps around into the next epoch's (reshuffled) documents. That stays, for exactness,
+    but it is rarely what was meant.
+    """
+    if tokens >= seq_length + extra or (prefix, split, seq_length) in _WARNED:
+        return
+    _WARNED.add((prefix, split, seq_length))
+    logger.warning(
+        "statefulset: %s: the %s split holds %d tokens, fewer than one sample of seq_length %d + %d: "
+        "as in megatron-core, every sample wraps around into the next epoch's documents and repeats them",
+        prefix,
+        split,
+        tokens,
+        seq_length,
+        extra,
+    )
 
 
 def num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int | None, extra: int = 1) -> int:

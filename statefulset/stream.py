@@ -32,7 +32,7 @@ from .native import BlendSchedule, WindowSource
 from .overview import record_open
 from .permutation import derive_key
 from .provenance import Provenance, explain
-from .sampling import build_gpt_indices
+from .sampling import build_gpt_indices, warn_if_sample_exceeds_split
 from .spec import DatasetSpec, load_spec
 from .split import SPLITS, parse_split, split_matrix, split_range
 
@@ -252,7 +252,9 @@ class NativeStream(SampleStream):
 def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], split: str = "train") -> SampleStream:
     """The stream of ``split`` ("train", "valid" or "test") described by ``spec``.
 
-    Logs what it opened at INFO on the ``statefulset`` logger (:mod:`statefulset.overview`).
+    Every ``StatefulsetError`` raised here names the spec's file (``spec.source``), and the key at
+    fault where one is. Logs what it opened at INFO on the ``statefulset`` logger
+    (:mod:`statefulset.overview`).
     """
     started, before = time.perf_counter(), dict(cache_builds)
     stream = _open_stream(spec, split)
@@ -267,9 +269,20 @@ def _open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any],
         raise StatefulsetError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if not isinstance(spec, DatasetSpec):
         spec = load_spec(spec)
+    try:
+        return _open(spec, split)
+    except StatefulsetError as exc:
+        if str(exc).startswith(f"{spec.source}: "):
+            raise
+        raise type(exc)(f"{spec.source}: {exc}") from exc  # a shard or cache error: say which spec
+
+
+def _open(spec: DatasetSpec, split: str) -> SampleStream:
     selected = spec.blend_for(split)
     if selected is None:
-        raise StatefulsetError(f"spec: the {split} split is empty (split: {spec.split!r}, no {split}: section)")
+        if spec.data_path is not None:
+            raise spec.error("split", f"the {split} split is empty (split {spec.split!r} gives it no share)")
+        raise spec.error(split, f"the {split} split is empty: the spec has no {split}: section")
     blend, num_samples = selected
     live = [(prefix, weight) for prefix, weight in blend if weight is None or weight > 0]
     weighted = live[0][1] is not None
@@ -281,19 +294,21 @@ def _open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any],
     cache = IndexCache(spec.path_to_cache)
     memo = os.path.join(spec.path_to_cache, "digests") if spec.path_to_cache else None
     datasets, ranges, digests = [], [], []
+    data_key = spec.data_key(split)
     for prefix, _ in live:
-        try:
+        with spec.blame(data_key):
             dataset = IndexedDataset(prefix)
-        except StatefulsetError as exc:
-            raise StatefulsetError(f"spec: key 'data_path': {exc}") from exc
         lo_hi = split_range(bookends, len(dataset))
         if lo_hi is None or lo_hi[1] <= lo_hi[0]:
-            raise StatefulsetError(
-                f"{prefix}: the {split} split of split {spec.split!r} holds no sequences of its {len(dataset)}"
+            if per_split:
+                raise spec.error(data_key, f"{prefix} holds no sequences")
+            raise spec.error(
+                "split", f"{prefix}: the {split} split of split {spec.split!r} holds no sequences of its {len(dataset)}"
             )
         datasets.append(dataset)
         ranges.append(lo_hi)
-        digests.append(shard_digest(prefix, memo))
+        with spec.blame(data_key):
+            digests.append(shard_digest(prefix, memo))
     identity = {
         "packing": spec.packing,
         "split": split,
@@ -310,15 +325,18 @@ def _open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any],
     )
     identity["data"] = hashlib.blake2b(sources_text.encode(), digest_size=12).hexdigest()
     if spec.packing == "native":
-        sources = [
-            WindowSource(ds, r, spec.seq_length, derive_key(spec.seed, i, SPLITS.index(split)))
-            for i, (ds, r) in enumerate(zip(datasets, ranges, strict=True))
-        ]
+        with spec.blame("seq_length"):
+            sources = [
+                WindowSource(ds, r, spec.seq_length, derive_key(spec.seed, i, SPLITS.index(split)))
+                for i, (ds, r) in enumerate(zip(datasets, ranges, strict=True))
+            ]
         weights = [float(w) for _, w in live] if weighted else [float(s.windows) for s in sources]
         return NativeStream(spec, split, identity, sources, weights)
 
     def gpt(i: int, samples: int | None) -> tuple[GPTSource, dict[str, Any]]:
         ds, (lo, hi) = datasets[i], ranges[i]
+        begin, end = ds.token_span(lo, hi)
+        warn_if_sample_exceeds_split(ds.path_prefix, split, end - begin, spec.seq_length, EXTRA)
         description = {
             "kind": "GPTDataset",
             "megatron_core": "0.16",
@@ -332,36 +350,50 @@ def _open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any],
         }
 
         def build() -> dict[str, numpy.ndarray]:
-            indices = build_gpt_indices(
-                ds.sequence_lengths,
-                numpy.arange(lo, hi, dtype=numpy.int32),
-                spec.seq_length,
-                spec.seed,
-                samples,
-                where=ds.path_prefix,
-            )
+            with spec.blame(data_key):
+                indices = build_gpt_indices(
+                    ds.sequence_lengths,
+                    numpy.arange(lo, hi, dtype=numpy.int32),
+                    spec.seq_length,
+                    spec.seed,
+                    samples,
+                    where=ds.path_prefix,
+                )
             return {
                 "document_index": indices.document_index,
                 "sample_index": indices.sample_index,
                 "shuffle_index": indices.shuffle_index,
             }
 
-        arrays = cache.get_or_build("GPTDataset", description, build)
+        try:
+            with spec.blame("path_to_cache"):
+                arrays = cache.get_or_build("GPTDataset", description, build)
+        except (MemoryError, ValueError, OverflowError) as exc:  # numpy's refusals of a huge index
+            raise spec.error(
+                num_samples_key, f"cannot build the {split} index of {ds.path_prefix} for {samples} samples: {exc}"
+            ) from exc
         return GPTSource(ds, arrays, spec.seq_length, (lo, hi), samples), description
 
+    num_samples_key = spec.num_samples_key(split)
     if len(live) == 1 and (not weighted or per_split):
         # megatron-core builds a lone GPTDataset here, with no surplus and no blend.
-        return MegatronStream(spec, split, identity, [gpt(0, num_samples)[0]], None)
+        stream = MegatronStream(spec, split, identity, [gpt(0, num_samples)[0]], None)
+        if len(stream) == 0 and split == "train":
+            raise _no_sample(spec)
+        return stream
     if weighted and num_samples is None:
         if split == "train":
-            raise StatefulsetError(
-                "spec: key 'num_samples': a weighted blend with packing: megatron needs num_samples "
-                "(megatron-core sizes each part of the blend from it); set it, or use packing: native"
+            raise spec.error(
+                num_samples_key,
+                "a weighted blend with packing: megatron needs num_samples "
+                "(megatron-core sizes each part of the blend from it); set it, or use packing: native",
             )
         weighted = False  # valid/test without a size: every source once, blended by size
     plan = blending.plan_blend([w for _, w in live] if weighted else None, num_samples, count=len(live))
     built = [gpt(i, plan.build_sizes[i]) for i in range(len(live))]
     sources = [source for source, _ in built]
+    if not any(len(s) for s in sources) and (split == "train" or num_samples is not None):
+        raise _no_sample(spec, split)  # blending nothing would divide by zero
     weights, size = plan.blend_weights([len(s) for s in sources])
     description = {
         "kind": "BlendedDataset",
@@ -369,8 +401,29 @@ def _open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any],
         "weights": weights,
         "size": size,
     }
-    arrays = cache.get_or_build("BlendedDataset", description, lambda: blending.blend_indices(weights, size))
-    counts = blending.check_budgets(arrays["dataset_index"], [len(s) for s in sources], [p for p, _ in live], split)
+
+    def build_blend() -> dict[str, numpy.ndarray]:
+        with spec.blame(num_samples_key):
+            return blending.blend_indices(weights, size)
+
+    with spec.blame("path_to_cache"):
+        arrays = cache.get_or_build("BlendedDataset", description, build_blend)
+    with spec.blame(num_samples_key):
+        counts = blending.check_budgets(arrays["dataset_index"], [len(s) for s in sources], [p for p, _ in live], split)
     stream = MegatronStream(spec, split, identity, sources, arrays)
     stream.blend_counts = counts  # samples drawn from each source: realised shares without another pass
     return stream
+
+
+def _no_sample(spec: DatasetSpec, split: str = "train") -> StatefulsetError:
+    """A train stream without samples would fail at the first batch, far from its cause; say it at open.
+
+    An empty valid/test stream stays legal: Megatron skips that evaluation.
+    """
+    return spec.error(
+        spec.num_samples_key(split),
+        f"the {split} split holds no sample: its data is shorter than one sample of seq_length {spec.seq_length} "
+        "+ 1 tokens and is built for one epoch (num_samples null, or a list of prefixes without weights); set "
+        "num_samples (and weights, for a list of prefixes): samples then wrap into further epochs, as in "
+        "megatron-core; or lower seq_length",
+    )

@@ -3,10 +3,7 @@ vectorised, and with a streaming merge whose memory does not grow with the corpu
 
 from __future__ import annotations
 
-import glob
 import os
-import re
-import secrets
 import shutil
 import tempfile
 import warnings
@@ -20,6 +17,7 @@ from . import idx_format
 from .direct_io import SequentialWriter
 from .errors import StatefulsetError
 from .indexed import IndexedDataset, _prefix_str
+from .shard_temps import hold, release, sweep, temp_path
 
 _INT32_MAX = numpy.iinfo(numpy.int32).max
 # Sequence lengths and boundaries wait in Python lists (fastest per document) only up to this
@@ -38,10 +36,6 @@ def _local_path(prefix: str) -> str:
             "write locally, then upload both files"
         )
     return prefix
-
-
-def _hidden_temp_path(folder: str, base: str, ext: str) -> str:
-    return os.path.join(folder, f".{base}.{ext}.{secrets.token_hex(6)}.tmp")
 
 
 def _create(path: str) -> IO[bytes]:
@@ -101,15 +95,18 @@ class IndexedDatasetWriter:
         for ext in ("bin", "idx"):
             if os.path.isdir(f"{self.path_prefix}.{ext}"):
                 raise StatefulsetError(f"{self.path_prefix}.{ext}: is a folder, cannot write a shard there")
-        self._bin_tmp = _hidden_temp_path(folder, base, "bin")
+        self._bin_tmp = temp_path(folder, base, "bin")
         self._idx_tmp: str | None = None
         try:
             os.makedirs(folder, exist_ok=True)
+            sweep(folder, base)  # what writers of this prefix killed earlier left behind
             self._bin = SequentialWriter(self._bin_tmp)
+            hold(self._bin_tmp)
             self._lengths_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
             self._documents_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
             self._modes_spill: IO[bytes] | None = tempfile.TemporaryFile(dir=folder) if multimodal else None
         except OSError as exc:
+            release(self._bin_tmp)
             if os.path.exists(self._bin_tmp):
                 os.remove(self._bin_tmp)
             raise StatefulsetError(f"{self.path_prefix}: cannot write here: {exc}") from exc
@@ -355,8 +352,9 @@ class IndexedDatasetWriter:
             self._spill()
             self._bin.close()
             base = os.path.basename(self.path_prefix)
-            self._idx_tmp = _hidden_temp_path(self._folder, base, "idx")
+            self._idx_tmp = temp_path(self._folder, base, "idx")
             with _create(self._idx_tmp) as out:
+                hold(self._idx_tmp)
                 self._write_index(out)
                 out.flush()
                 os.fsync(out.fileno())
@@ -366,6 +364,7 @@ class IndexedDatasetWriter:
                 os.remove(idx_path)
             os.replace(self._bin_tmp, bin_path)
             os.replace(self._idx_tmp, idx_path)
+            release(self._idx_tmp)
             self._idx_tmp = None
             _fsync_dir(self._folder)
         except BaseException:
@@ -386,24 +385,12 @@ class IndexedDatasetWriter:
         self._release()
 
     def _release(self) -> None:
+        release(self._bin_tmp)
+        release(self._idx_tmp)
         for spill in (self._lengths_spill, self._documents_spill, self._modes_spill):
             if spill is not None:
                 spill.close()
         self._closed = True
-
-
-def natural_key(text: str) -> list[Any]:
-    """Sort key that orders ``part_2`` before ``part_10``."""
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", text)]
-
-
-def find_prefixes(location: str) -> list[str]:
-    """Shard prefixes in a folder (or matching a glob), in natural order; each needs .bin and .idx."""
-    pattern = os.path.join(location, "*.idx") if os.path.isdir(location) else location
-    if not pattern.endswith(".idx"):
-        pattern += ".idx"
-    prefixes = [p[: -len(".idx")] for p in glob.glob(pattern) if os.path.exists(p[: -len(".idx")] + ".bin")]
-    return sorted(prefixes, key=natural_key)
 
 
 def merge_datasets(

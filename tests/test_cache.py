@@ -171,3 +171,89 @@ def test_read_only_cache_folder_still_works(spec, tmp_path):
         assert len(open_stream(spec)) > 0
     finally:
         os.chmod(spec["path_to_cache"], 0o755)
+
+
+# A builder whose numpy.save is wrapped so the test controls where it stops: after its first array
+# it SIGKILLs itself ("kill"), or waits for a file to appear ("wait"), in the middle of a real store.
+BUILDER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import numpy
+    from statefulset.cache import IndexCache
+
+    root, mode, go = sys.argv[1:4]
+    real_save = numpy.save
+
+    def save(f, array, **kwargs):
+        real_save(f, array, **kwargs)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while not os.path.exists(go):
+            time.sleep(0.02)
+
+    numpy.save = save
+    IndexCache(root).get_or_build("GPTDataset", {"x": 1}, lambda: {"a": numpy.arange(5), "b": numpy.arange(3)})
+    """
+)
+
+
+def stale(root) -> list[str]:
+    return [n for n in os.listdir(root) if n.startswith(".tmp-")]
+
+
+def test_a_build_killed_mid_store_leaves_a_temporary_the_next_build_removes(tmp_path):
+    root = str(tmp_path / "c")
+    child = subprocess.run([sys.executable, "-c", BUILDER, root, "kill", ""], timeout=120)
+    assert child.returncode == -9
+    assert len(stale(root)) == 1 and [n for n in entries(root) if not n.startswith(".")] == []
+    arrays = IndexCache(root).get_or_build("GPTDataset", {"x": 1}, lambda: {"a": numpy.arange(5)})
+    numpy.testing.assert_array_equal(arrays["a"], numpy.arange(5))
+    assert stale(root) == [] and [n.split("-")[0] for n in entries(root)] == ["GPTDataset"]
+
+
+def test_a_live_builders_temporary_is_left_alone(tmp_path):
+    import threading
+
+    root, go = str(tmp_path / "c"), str(tmp_path / "go")
+    child = subprocess.Popen([sys.executable, "-c", BUILDER, root, "wait", go])
+    deadline = time.monotonic() + 60
+    while not (os.path.isdir(root) and stale(root)):
+        assert time.monotonic() < deadline and child.poll() is None, "the builder never started storing"
+        time.sleep(0.05)
+    got: dict = {}
+    thread = threading.Thread(target=lambda: got.update(IndexCache(root).get_or_build("GPTDataset", {"x": 1}, dict)))
+    thread.start()
+    time.sleep(0.5)  # this process now waits for the builder's lock; it must not touch its temporary
+    assert len(stale(root)) == 1 and thread.is_alive()
+    open(go, "w").close()
+    assert child.wait(timeout=60) == 0  # its rename found its folder intact
+    thread.join(timeout=60)
+    numpy.testing.assert_array_equal(got["a"], numpy.arange(5))  # loaded the child's entry, built nothing
+    assert stale(root) == []
+
+
+def test_waiting_for_a_stuck_builder_is_bounded_and_says_for_what(tmp_path, monkeypatch, caplog):
+    import logging
+
+    root, go = str(tmp_path / "c"), str(tmp_path / "go")
+    child = subprocess.Popen([sys.executable, "-c", BUILDER, root, "wait", go])  # holds the entry's lock
+    try:
+        deadline = time.monotonic() + 60
+        while not (os.path.isdir(root) and stale(root)):
+            assert time.monotonic() < deadline and child.poll() is None, "the builder never started storing"
+            time.sleep(0.05)
+        monkeypatch.setenv("STATEFULSET_CACHE_WAIT", "1.5")
+        start = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="statefulset"), pytest.raises(StatefulsetError) as caught:
+            IndexCache(root).get_or_build("GPTDataset", {"x": 1}, dict)
+        assert 1.5 <= time.monotonic() - start < 10
+        entry = IndexCache(root).entry_path("GPTDataset", {"x": 1})
+        assert str(caught.value).startswith(f"{entry}: waited 1.5 s for another process building this index")
+        assert "STATEFULSET_CACHE_WAIT" in str(caught.value)
+        assert f"waiting for another process that is building {entry}" in caplog.text
+        monkeypatch.setenv("STATEFULSET_CACHE_WAIT", "soon")
+        with pytest.raises(StatefulsetError, match="STATEFULSET_CACHE_WAIT must be a number of seconds, got 'soon'"):
+            IndexCache(root).get_or_build("GPTDataset", {"x": 1}, dict)
+    finally:
+        open(go, "w").close()
+        assert child.wait(timeout=60) == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import warnings
 
 import numpy
@@ -220,6 +221,8 @@ def test_bad_inputs_name_the_field(spec, tmp_path):
         build(spec, layout, 0, micro_batch_size=B, format="bert")
     with pytest.raises(StatefulsetError, match="global_rank 3 is outside"):
         build(spec, layout, 3, micro_batch_size=B)
+    with pytest.raises(StatefulsetError, match=rf"{re.escape(spec)}: the valid split has \d+ samples, fewer than one"):
+        build(spec, layout, 0, micro_batch_size=10**6, num_workers=0)
     # A state taken on other data (another seed) is refused, naming the field.
     other = demo_spec(str(tmp_path), seq_length=SEQ, seed=99)
     theirs = build(other, layout, 0, micro_batch_size=B, num_workers=0, valid=False).train.save_state()

@@ -190,3 +190,22 @@ def test_leading_empty_sequences_match_megatron(tmp_path):
             assert_same_stream({"data_path": prefix, "seq_length": 16, "split": "1", "seed": seed}, "train", theirs)
             return
     pytest.fail("no seed put an empty sequence first")
+
+
+def test_a_sample_longer_than_its_split_matches_megatron_and_warns(tmp_path, caplog):
+    """megatron-core lets a sample span more tokens than the whole split (it wraps into the next
+    epoch's shuffled documents); the stream stays identical to megatron-core's, with a warning."""
+    prefix = str(tmp_path / "short")
+    with IndexedDatasetWriter(prefix, numpy.uint16) as w:
+        for d in range(12):
+            w.add_document(numpy.arange(3 + d % 4, dtype=numpy.uint16) + 100 * d)
+    tokens = int(sum(3 + d % 4 for d in range(12)))
+    spec = {"data_path": prefix, "seq_length": 64, "split": "1", "seed": 11, "num_samples": 9}
+    assert spec["seq_length"] + 1 > tokens
+    logging.disable(logging.NOTSET)  # megatron_build turns warnings off for the session
+    with caplog.at_level(logging.WARNING, logger="statefulset"):
+        open_stream(spec)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"{prefix}: the train split holds {tokens} tokens, fewer than one sample of seq_length 64 + 1" in warning
+    theirs = megatron_build([prefix], None, 11, 64, "1", [9, None, None])[0]
+    assert_same_stream(spec, "train", theirs)

@@ -15,7 +15,7 @@ import pytest
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError, idx_format, merge_datasets
 from statefulset import writer as writer_module
-from statefulset.writer import find_prefixes, natural_key
+from statefulset.shard_names import find_prefixes, natural_key
 
 
 def test_exception_inside_with_leaves_nothing(tmp_path):

@@ -1,0 +1,219 @@
+"""Killed writers and workers: the next writer of a prefix removes its stale temporaries (only those),
+and a killed tokeniser worker fails the run instead of hanging it.
+
+Real processes throughout: ``statefulset preprocess`` killed by SIGKILL mid-run (alone, with
+its tokeniser workers left running as orphans, or one of its workers), live writers in other
+processes, real locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy
+import pytest
+
+from statefulset import IndexedDataset, IndexedDatasetWriter
+from statefulset.shard_temps import _HOST
+
+TEMP = re.compile(r"^\.x_(text|title)_document\.bin\..*\.tmp$")
+
+
+def temps(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith(".tmp"))
+
+
+def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def write_jsonl(path, documents: int) -> None:
+    with open(path, "w") as f:
+        for i in range(documents):
+            f.write(json.dumps({"text": f"doc {i} " + "lorem ipsum dolor " * 40, "title": f"t{i}"}) + "\n")
+
+
+def preprocess_cmd(source, prefix, workers: int) -> list[str]:
+    return [
+        sys.executable, "-m", "statefulset.cli", "preprocess", "--input", str(source), "--output-prefix",
+        str(prefix), "--json-keys", "text", "title", "--chunk-bytes", "4096", "--workers", str(workers), "--quiet",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_killed_preprocess_is_cleaned_by_the_next_run(tmp_path, workers):
+    big, small = tmp_path / "big.jsonl", tmp_path / "small.jsonl"
+    write_jsonl(big, 60_000)  # ~45 MB: seconds of work after the temporaries appear
+    write_jsonl(small, 10)
+    out = tmp_path / "out"
+    out.mkdir()
+    # Its own session, so that the orphaned tokeniser workers can be reaped at the end.
+    proc = subprocess.Popen(preprocess_cmd(big, out / "x", workers), start_new_session=True)
+    try:
+        wait_for(lambda: len([n for n in os.listdir(out) if TEMP.match(n)]) == 2, "both keys' temporaries")
+        if workers > 1:  # the workers are forked after the writers opened: they inherit the lock's descriptor
+            wait_for(lambda: len(children(proc.pid)) >= workers, "the tokeniser workers")
+        # Only the main process: its workers (forked while the writers held their locks) may live
+        # on for a while, as orphans do when a job's main process is OOM-killed.
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL
+        left = temps(out)
+        assert len(left) == 2 and not (out / "x_text_document.idx").exists(), left
+        assert all(f".{_HOST}.{proc.pid}." in name for name in left)
+
+        again = subprocess.run(preprocess_cmd(small, out / "x", 1), capture_output=True, text=True)
+        assert again.returncode == 0, again.stderr
+        assert temps(out) == []
+        assert len(IndexedDataset(out / "x_text_document")) == 10
+        assert len(IndexedDataset(out / "x_title_document")) == 10
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+LIVE_WRITER = """
+import sys, time
+from statefulset import IndexedDatasetWriter
+w = IndexedDatasetWriter(sys.argv[1])
+w.add_document([1, 2, 3])
+print("open", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+w.close()
+"""
+
+
+def test_only_stale_temporaries_of_the_same_prefix_go(tmp_path, caplog):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    # A live writer of the same prefix in another process: its file is locked and its pid alive.
+    live = subprocess.Popen(
+        [sys.executable, "-c", LIVE_WRITER, str(folder / "p")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert live.stdout.readline().strip() == "open"
+        live_temp = temps(folder)
+        assert len(live_temp) == 1 and f".{live.pid}." in live_temp[0]
+        # Left by writers on another host that shares the folder: one dead (no lock), one alive
+        # (a process holds the lock, as its writer would).
+        dead_remote = folder / ".p.bin.otherhost.4242.0123456789ab.tmp"
+        dead_remote.write_bytes(b"x")
+        live_remote = folder / ".p.idx.otherhost.4243.ba9876543210.tmp"
+        live_remote.write_bytes(b"x")
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLD_LOCK, str(live_remote)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert holder.stdout.readline().strip() == b"locked"
+        # Names from before host and pid were recorded: stale after an hour untouched.
+        old_legacy = folder / ".p.bin.00000000000a.tmp"
+        old_legacy.write_bytes(b"x")
+        os.utime(old_legacy, (time.time() - 7200, time.time() - 7200))
+        new_legacy = folder / ".p.bin.00000000000b.tmp"
+        new_legacy.write_bytes(b"x")
+        # Another prefix of the same folder, even with a name that starts alike: never touched.
+        others = [folder / ".p2.bin.otherhost.4242.0123456789ab.tmp", folder / ".p.bin.x.bin.h.1.0123456789ab.tmp"]
+        for path in others:
+            path.write_bytes(b"x")
+
+        with caplog.at_level(logging.INFO, logger="statefulset"), IndexedDatasetWriter(folder / "p") as w:
+            w.add_document(numpy.arange(5))
+            mine = [n for n in temps(folder) if f".{os.getpid()}." in n]
+        assert len(mine) == 1
+        assert not dead_remote.exists() and not old_legacy.exists()
+        assert live_remote.exists() and new_legacy.exists() and all(p.exists() for p in others)
+        assert (folder / live_temp[0]).exists()
+        assert "removed 2 temporary file(s) left by killed writers" in caplog.text
+        holder.stdin.close()
+        holder.wait()
+    finally:
+        live.stdin.close()
+        assert live.wait() == 0
+    assert live_temp[0] not in temps(folder)  # the live writer finished normally
+    assert IndexedDataset(folder / "p")[0].tolist() == [1, 2, 3]  # the last writer to close wins
+
+
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_forked_children_do_not_keep_a_dead_writers_file(tmp_path):
+    """The lock is closed in forked children, so an orphaned worker never pins a killed writer's file."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from statefulset import IndexedDatasetWriter
+        w = IndexedDatasetWriter({str(tmp_path / "q")!r})
+        if os.fork() == 0:
+            time.sleep(120)  # a worker that outlives its parent
+            os._exit(0)
+        print("forked", flush=True)
+        time.sleep(120)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "forked"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert len(temps(tmp_path)) == 1
+        with IndexedDatasetWriter(tmp_path / "q") as w:
+            w.add_document([4])
+        assert temps(tmp_path) == []
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_killed_tokeniser_worker_fails_the_run_instead_of_hanging(tmp_path):
+    """multiprocessing.Pool replaces a killed worker and waits forever for its chunk; preprocess must not."""
+    big = tmp_path / "big.jsonl"
+    write_jsonl(big, 60_000)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        preprocess_cmd(big, out / "x", 2), stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        wait_for(lambda: len(children(proc.pid)) >= 2, "the tokeniser workers")
+        os.kill(children(proc.pid)[0], signal.SIGKILL)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("preprocess hung after one of its workers was killed")
+        stderr = proc.stderr.read()
+        assert code == 2, stderr
+        assert "a tokeniser worker process died (killed by a signal? out of memory?); nothing was written" in stderr
+        assert "Traceback" not in stderr
+        assert sorted(os.listdir(out)) == []  # nothing under the final names, no temporaries either
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
