@@ -32,7 +32,7 @@ Parts (each measurement a fresh child process; repeats interleaved in rotating o
    ``next``. Its first batch must equal the reference (sample ids and a hash of the tokens).
    A ``fresh`` child (no state) gives the start-up floor.
 2. ``size``. The states of part 1: ``torch.save`` bytes, ``pickle`` bytes, and for ours also
-   ``statefulset.state.encode`` (msgpack) bytes.
+   ``statefulset.loading.state.encode`` (msgpack) bytes.
 3. ``throughput``. A child iterates for ``--seconds`` after 20 warm-up batches; tokens/s counts
    ``8 × seq_length`` tokens per batch. Then it times 10,000 single calls of ``save_state_rank()``
    (torchdata: ``state_dict()``) at that position and reports the median and p99. One more child
@@ -189,7 +189,7 @@ def _sizes(state: Any, ours: bool) -> dict[str, int]:
     torch.save(state, buf)
     out = {"torch_save": len(buf.getvalue()), "pickle": len(pickle.dumps(state))}
     if ours:
-        from statefulset.state import encode
+        from statefulset.loading.state import encode
 
         out["msgpack"] = len(encode(state))
     return out

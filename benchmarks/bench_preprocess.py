@@ -1,4 +1,6 @@
-"""Preprocessing JSON lines into bin/idx: a Megatron-LM ``preprocess_data.py`` loop against ``statefulset.preprocess``.
+"""Preprocessing JSON lines into bin/idx: Megatron-LM's ``preprocess_data.py`` loop against ours.
+
+Ours is ``statefulset.tools.preprocess``.
 
 Both sides read the same synthetic JSON-lines corpus (``jsonl_corpus.py``), use the same tokenizer
 and worker count, append the end-of-document token, and write ``<prefix>_text_document.{bin,idx}``.
@@ -9,7 +11,7 @@ and worker count, append the end-of-document token, and write ``<prefix>_text_do
   and tokenises each sentence with one tokenizer call returning a Python list; the main process
   calls megatron-core's ``IndexedDatasetBuilder.add_document`` per document and ``finalize``. The
   progress print every ``--log-interval`` documents is left out (it costs nothing measurable).
-* ``ours``: ``statefulset.preprocess.preprocess(..., append_eod=True, workers=N, show_progress=False)``.
+* ``ours``: ``statefulset.tools.preprocess.preprocess(..., append_eod=True, workers=N, show_progress=False)``.
 
 Tokenizers: ``bytes`` (UTF-8 bytes, EOD 256; the anchor calls ``list(text.encode("utf-8"))``) and
 ``hf``, a byte-level BPE trained here on the corpus (the anchor calls ``Tokenizer.encode(text).ids``
@@ -135,14 +137,14 @@ def _run_anchor(kind: str, tokenizer_path: str, workers: int, input_path: str, p
 
 
 def _spec(kind: str, tokenizer_path: str):
-    from statefulset.tokenization import TokenizerSpec
+    from statefulset.tools.tokenizers import TokenizerSpec
 
     # The EOD token is named explicitly so a stray tokenizer_config.json in the folder cannot change it.
     return TokenizerSpec("bytes") if kind == "bytes" else TokenizerSpec(tokenizer_path, eod_token=EOD_TOKEN)
 
 
 def _run_ours(kind: str, tokenizer_path: str, workers: int, input_path: str, prefix: str) -> dict[str, Any]:
-    from statefulset.preprocess import preprocess
+    from statefulset.tools.preprocess import preprocess
 
     spec = _spec(kind, tokenizer_path)
     t0 = time.perf_counter()
@@ -172,7 +174,7 @@ def run_child(job: dict[str, Any]) -> None:
     import megatron.core.datasets.indexed_dataset  # noqa: F401
     import tokenizers  # noqa: F401
 
-    import statefulset.preprocess  # noqa: F401
+    import statefulset.tools.preprocess  # noqa: F401
 
     source, modules = _loaded_sources()
     side = job["side"]
@@ -262,7 +264,7 @@ def _tokenizer(args: argparse.Namespace) -> dict[str, Any]:
 
 def _profile(args: argparse.Namespace, corpus: str, tokenizer_path: str) -> dict[str, str]:
     """cProfile of ours at workers=1 (everything in one process, so the profile sees all of it)."""
-    from statefulset.preprocess import preprocess
+    from statefulset.tools.preprocess import preprocess
 
     texts = {}
     for kind in args.tokenizers:
@@ -362,7 +364,7 @@ def _markdown(result: dict[str, Any], command: str) -> str:
             f"{r['anchor']['fsync_after_s']['median']:.1f} s ({r['tokenizer']}, {r['workers']} w)" for r in rows
         )
         + " (not counted).",
-        "* **Ours**: `statefulset.preprocess.preprocess([input], prefix, append_eod=True, workers=N, "
+        "* **Ours**: `statefulset.tools.preprocess.preprocess([input], prefix, append_eod=True, workers=N, "
         "show_progress=False)`: 1 MiB chunks of lines, one `encode_batch` per chunk, arrays back to the "
         "main process, vectorised writer; the time includes its fsync of both outputs. With `workers=1` "
         "it runs in-process (no pool); with the `hf` tokenizer `encode_batch` may then use the Rust "

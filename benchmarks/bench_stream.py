@@ -226,8 +226,8 @@ def child_build(job: dict[str, Any]) -> dict[str, Any]:
     else:
         import numpy.random  # noqa: F401  (torch has it loaded in any training process)
 
-        from statefulset import sampling
-        from statefulset import stream as stream_module
+        from statefulset.index.megatron import gpt as sampling
+        from statefulset.streams import opening as stream_module
 
         phases.wrap(stream_module, "IndexedDataset", "open_shard")
         phases.wrap(stream_module, "shard_digest", "shard_digest")
@@ -265,9 +265,9 @@ def child_native(job: dict[str, Any]) -> dict[str, Any]:
     """``packing: native``: open and first gather of one batch, in this fresh process."""
     import tracemalloc
 
-    from statefulset import native
-    from statefulset import stream as stream_module
-    from statefulset.indexed import IndexedDataset
+    from statefulset.index.native import windows as native
+    from statefulset.shards.reader import IndexedDataset
+    from statefulset.streams import opening as stream_module
 
     phases = _Phases()
     phases.wrap(stream_module, "load_spec", "read_spec")
@@ -314,14 +314,14 @@ def child_firstuse(job: dict[str, Any]) -> dict[str, Any]:
     _quiet_megatron()
     import torch  # noqa: F401
 
-    import statefulset.stream  # noqa: F401
-    from statefulset.indexed import IndexedDataset
+    import statefulset.streams.opening  # noqa: F401
+    from statefulset.shards.reader import IndexedDataset
 
     prefix = job["prefix"]
     out: dict[str, Any] = {}
     before = _rss()
     t0 = time.perf_counter()
-    from statefulset import kernels
+    from statefulset.index import compiled as kernels
 
     t1 = time.perf_counter()
     kernels.available()
@@ -402,7 +402,7 @@ def child_batch(job: dict[str, Any]) -> dict[str, Any]:
     _quiet_megatron()
     import torch  # noqa: F401
 
-    from statefulset.stream import open_stream
+    from statefulset.streams.opening import open_stream
 
     prefix = job["prefix"]
     warm(prefix)
@@ -600,7 +600,7 @@ def run_native(prefix: str, out_dir: str, repeats: int) -> list[dict]:
     # A first open of every prefix fills the digest memo, as on any machine after the first use.
     for data_path in corpora.values():
         subprocess.run(
-            [sys.executable, "-c", "import sys, json; from statefulset.stream import open_stream; "
+            [sys.executable, "-c", "import sys, json; from statefulset.streams.opening import open_stream; "
              "open_stream(json.loads(sys.argv[1]), 'train')", json.dumps(_ours_spec(data_path, "native"))],
             check=True, env=CHILD_ENV,
         )  # fmt: skip
@@ -916,7 +916,7 @@ def _markdown_firstuse(result: dict[str, Any]) -> list[str]:
         "",
         "| What | ms | Where |",
         "|---|---|---|",
-        f"| `import statefulset.kernels` | {ms('import_kernels_s')} | kernels.py, first index build in a process |",
+        f"| `import statefulset.index.compiled` | {ms('import_kernels_s')} | first index build in a process |",
         f"| loading the compiled kernel library (`kernels.available()`) | {ms('load_kernel_library_s')} | kernels.py |",
         f"| `IndexedDataset(prefix)`, whole index checked (default) | {ms('open_validated_s')} "
         f"| indexed.py → idx_format.check_all; tracemalloc peak "
@@ -1058,7 +1058,8 @@ def main() -> None:
     package = os.path.join(REPO, "statefulset")
     subprocess.run([sys.executable, "-m", "compileall", "-q", package], check=True, env=CHILD_ENV)
     prefix, written = find_or_write_shard(out_dir, args.docs)
-    from statefulset import IndexedDataset, kernels
+    from statefulset import IndexedDataset
+    from statefulset.index import compiled as kernels
 
     kernels.available()  # compiles the kernels once here, never inside a timed child
     tokens = IndexedDataset(prefix, validate=False).num_tokens

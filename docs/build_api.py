@@ -1,15 +1,17 @@
 """Build the API reference (HTML) from the docstrings with pdoc: ``python docs/build_api.py [--out DIR]``.
 
-Needs the ``docs`` extra (``pip install -e ".[docs]"``). Every module of the package gets a
-page; ``statefulset.datamodule`` needs the ``lightning`` extra and is left out, with a note,
-without it. Docstrings are reStructuredText (``:class:`...``` roles become links). Exits 1 when
-pdoc warns (a module that does not import, a docstring it cannot render), so the build that
+Needs the ``docs`` extra (``pip install -e ".[docs]"``). Every module of the package and of its
+subpackages gets a page; ``statefulset.integrations.lightning.datamodule`` needs the ``lightning``
+extra and is left out, with a note, without it. Docstrings are reStructuredText (``:class:`...```
+roles become links). Exits 1 when pdoc warns (a module that does not import, a docstring it cannot
+render), so the build that
 tests/test_api_docs.py runs fails on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import pkgutil
 import sys
@@ -18,14 +20,31 @@ from pathlib import Path
 
 
 def modules() -> list[str]:
-    """``statefulset`` and every submodule (pdoc alone walks only the package's ``__all__``)."""
+    """``statefulset`` and every module below it (pdoc alone walks only the package's ``__all__``)."""
     import statefulset
 
-    names = ["statefulset"] + [m.name for m in pkgutil.iter_modules(statefulset.__path__, "statefulset.")]
+    found = pkgutil.walk_packages(statefulset.__path__, "statefulset.")
+    names = ["statefulset", *sorted(m.name for m in found if m.name != "statefulset.__main__")]
     if not any(importlib.util.find_spec(name) for name in ("lightning", "pytorch_lightning")):
-        print("build_api: leaving out statefulset.datamodule (needs the lightning extra)", file=sys.stderr)
-        names.remove("statefulset.datamodule")
+        print(
+            "build_api: leaving out statefulset.integrations.lightning.datamodule (needs the lightning extra)",
+            file=sys.stderr,
+        )
+        names.remove("statefulset.integrations.lightning.datamodule")
     return names
+
+
+def _roots(names: list[str]) -> list[str]:
+    """The modules pdoc must be handed: it walks a package's submodules itself unless ``__all__`` hides them."""
+    walked: set[str] = set()
+    roots: list[str] = []
+    for name in sorted(names, key=lambda n: n.count(".")):
+        parent = name.rpartition(".")[0]
+        if parent in walked.union(roots) and not hasattr(importlib.import_module(parent), "__all__"):
+            walked.add(name)
+        else:
+            roots.append(name)
+    return roots
 
 
 def build(out: Path) -> list[str]:
@@ -36,7 +55,7 @@ def build(out: Path) -> list[str]:
     pdoc.render.configure(docformat="restructuredtext", search=True, show_source=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pdoc.pdoc(*modules(), output_directory=out)
+        pdoc.pdoc(*_roots(modules()), output_directory=out)
     return [f"{w.category.__name__}: {w.message}" for w in caught]
 
 

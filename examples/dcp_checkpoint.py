@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel
 
 from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
-from statefulset.demo import demo_spec
+from statefulset.tools.demo import demo_spec
 
 BATCH = 4
 SAVE_AT, AFTER = 5, 4

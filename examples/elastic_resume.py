@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
-from statefulset.demo import demo_spec
+from statefulset.tools.demo import demo_spec
 
 BATCH = 4
 SAVE_AT = 6  # steps on DP4 before the save

@@ -23,8 +23,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from statefulset.datamodule import StatefulsetDataModule
-from statefulset.demo import demo_spec
+from statefulset.integrations.lightning.datamodule import StatefulsetDataModule
+from statefulset.tools.demo import demo_spec
 
 MICRO, ACCUMULATE, STEPS, SAVE_EVERY = 4, 2, 8, 3
 

@@ -33,14 +33,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from statefulset import ParallelLayout
-from statefulset.demo import demo_spec
-from statefulset.megatron_lm import (
-    GPTBatchConfig,
-    build_megatron_iterators,
-    load_megatron_dataloader_state,
-    save_megatron_dataloader_state,
-)
-from statefulset.parallel import create_parallel_groups
+from statefulset.integrations.megatron.batch import GPTBatchConfig
+from statefulset.integrations.megatron.builder import build_megatron_iterators
+from statefulset.integrations.megatron.state_files import load_megatron_dataloader_state, save_megatron_dataloader_state
+from statefulset.parallel.groups import create_parallel_groups
+from statefulset.tools.demo import demo_spec
 
 WORLD, TP, PP = 8, 2, 2
 MICRO_BATCH, MICRO_BATCHES, SEQ = 2, 2, 64  # global batch = 2 x 2 DP x 2 micro-batches = 8 samples

@@ -31,8 +31,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from statefulset import ParallelLayout, create_parallel_groups
-from statefulset.demo import demo_spec
-from statefulset.nanotron import TensorPointer, build_nanotron_dataloader
+from statefulset.integrations.nanotron.batch import TensorPointer
+from statefulset.integrations.nanotron.dataloader import build_nanotron_dataloader
+from statefulset.tools.demo import demo_spec
 
 WORLD, PP = 4, 2
 MICRO_BATCH_SIZE = 2

@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
-from statefulset.demo import demo_spec
+from statefulset.tools.demo import demo_spec
 
 
 def main() -> None:

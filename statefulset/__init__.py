@@ -1,16 +1,40 @@
-"""statefulset: deterministic, savable data loading for LLM pre-training on Megatron bin/idx shards."""
+"""statefulset: deterministic, savable data loading for LLM pre-training on Megatron bin/idx shards.
 
-from .datasets import StreamDataset, get_train_dataset, get_val_dataset
-from .errors import StatefulsetError
-from .indexed import IndexedDataset
-from .loader import Loader, SavableLoader, get_loader, get_savable_loader
-from .megatron_lm import GPTBatchConfig, MegatronData, MegatronIterator, build_megatron_iterators, gpt_batch
-from .nanotron import NanotronDataLoader, build_nanotron_dataloader
-from .parallel import ParallelLayout, PlaceholderLoader, create_data_parallel_groups, create_parallel_groups
-from .spec import DatasetSpec, load_spec
-from .stream import SampleStream, open_stream
-from .workers import WorkerConfig
-from .writer import IndexedDatasetWriter, merge_datasets
+Data flows one way, and the subpackages follow it:
+
+    spec → shards → index → streams → loading → integrations
+                                  parallel ↗        tools (CLI, preprocessing, demo) use them all
+
+The names below are the public surface (CONTRACT §1 and what the docs use). The framework
+integrations (Megatron-LM, Nanotron, Lightning) are imported on first use, so ``import
+statefulset`` never imports lightning or megatron.
+"""
+
+from statefulset.errors import StatefulsetError
+from statefulset.loading.datasets import StreamDataset, get_train_dataset, get_val_dataset
+from statefulset.loading.loader import Loader, SavableLoader, get_loader, get_savable_loader
+from statefulset.loading.placeholder import PlaceholderLoader
+from statefulset.loading.worker_config import WorkerConfig
+from statefulset.parallel.groups import create_data_parallel_groups, create_parallel_groups
+from statefulset.parallel.layout import ParallelLayout
+from statefulset.shards.merge import merge_datasets
+from statefulset.shards.reader import IndexedDataset
+from statefulset.shards.writer import IndexedDatasetWriter
+from statefulset.spec.model import DatasetSpec, load_spec
+from statefulset.streams.base import SampleStream
+from statefulset.streams.opening import open_stream
+
+# Public names of the integrations, by the module that defines them (imported on first use).
+_LAZY = {
+    "GPTBatchConfig": "statefulset.integrations.megatron.batch",
+    "gpt_batch": "statefulset.integrations.megatron.batch",
+    "MegatronIterator": "statefulset.integrations.megatron.iterators",
+    "MegatronData": "statefulset.integrations.megatron.builder",
+    "build_megatron_iterators": "statefulset.integrations.megatron.builder",
+    "NanotronDataLoader": "statefulset.integrations.nanotron.dataloader",
+    "build_nanotron_dataloader": "statefulset.integrations.nanotron.dataloader",
+    "StatefulsetDataModule": "statefulset.integrations.lightning.datamodule",
+}
 
 __all__ = [
     "DatasetSpec",
@@ -45,9 +69,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # The Lightning data module imports lightning (seconds, and an optional extra): only on use.
-    if name == "StatefulsetDataModule":
-        from .datamodule import StatefulsetDataModule
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'statefulset' has no attribute {name!r}")
+    import importlib
 
-        return StatefulsetDataModule
-    raise AttributeError(f"module 'statefulset' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy
+
 
 class StatefulsetError(Exception):
     """Bad input: a missing or corrupt shard, a bad spec, a state that does not fit.
@@ -38,3 +40,11 @@ def check_int(
         prefix = f"{where}: " if where else ""
         raise StatefulsetError(f"{prefix}{name} must be {kind}{' or None' if none_ok else ''}, got {value!r}")
     return number
+
+
+def check_int_array(name: str, value: object) -> numpy.ndarray:
+    """``value`` as a 1-D integer numpy array, or a ``StatefulsetError`` naming ``name``."""
+    array = numpy.asarray(value)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise StatefulsetError(f"{name} must be a 1-D integer array, got {array.dtype} with shape {array.shape}")
+    return array

@@ -4,7 +4,7 @@ import numpy
 import pytest
 
 from statefulset import IndexedDatasetWriter
-from statefulset.idx_format import DTYPE_CODES
+from statefulset.shards.idx_format import DTYPE_CODES
 
 ALL_DTYPES = list(DTYPE_CODES.values())
 

@@ -20,5 +20,6 @@ def test_api_reference_builds_clean(tmp_path):
         name.replace(".", "/") + ".html" for name in BUILD["modules"]() if name != "statefulset"
     }
     assert expected <= pages, sorted(expected - pages)
-    page = (tmp_path / "statefulset" / "megatron_state.html").read_text()
-    assert "add_statefulset_args" in page and 'href="../statefulset.html#ParallelLayout"' in page  # roles became links
+    page = (tmp_path / "statefulset" / "integrations" / "megatron" / "state_files.html").read_text()
+    assert "add_statefulset_args" in page
+    assert 'href="../../../statefulset.html#ParallelLayout"' in page  # roles became links

@@ -141,7 +141,7 @@ def test_collective_timeout_is_checked(spec):
 
 def _datamodule_state_on_one_rank(rank: int, world: int, init_file: str, out: str, spec: dict) -> None:
     init_rank(rank, world, init_file)
-    from statefulset.datamodule import StatefulsetDataModule
+    from statefulset.integrations.lightning.datamodule import StatefulsetDataModule
 
     dm = StatefulsetDataModule(
         spec, micro_batch_size=2, num_workers=0, dp_rank=rank, dp_size=world, collective_timeout=BOUND

@@ -13,9 +13,10 @@ import numpy
 import pytest
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError
-from statefulset import cache as cache_module
-from statefulset.cache import IndexCache, shard_digest
-from statefulset.stream import open_stream
+from statefulset.index import cache as cache_module
+from statefulset.index.cache import IndexCache
+from statefulset.shards.digests import shard_digest
+from statefulset.streams.opening import open_stream
 
 
 def write_shard(prefix, seed, docs=400):
@@ -104,8 +105,8 @@ CHILD = textwrap.dedent(
     """
     import hashlib, json, sys, time
     import numpy
-    from statefulset import cache
-    from statefulset.stream import open_stream
+    from statefulset.index import cache
+    from statefulset.streams.opening import open_stream
     spec = json.loads(sys.argv[1])
     while time.time() < float(sys.argv[2]):  # start together
         time.sleep(0.001)
@@ -179,7 +180,7 @@ BUILDER = textwrap.dedent(
     """
     import os, signal, sys, time
     import numpy
-    from statefulset.cache import IndexCache
+    from statefulset.index.cache import IndexCache
 
     root, mode, go = sys.argv[1:4]
     real_save = numpy.save

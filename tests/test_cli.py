@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from statefulset import IndexedDataset
-from statefulset.demo import run_demo
+from statefulset.tools.demo import run_demo
 
 
 def cli(*args, cwd=None):
     return subprocess.run(
-        [sys.executable, "-m", "statefulset.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd
+        [sys.executable, "-m", "statefulset", *map(str, args)], capture_output=True, text=True, cwd=cwd
     )
 
 

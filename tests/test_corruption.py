@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError
-from statefulset.idx_format import decode_index
+from statefulset.shards.idx_format import decode_index
 
 S, D = 6, 4  # the shard below: 6 sequences in 3 documents (D = 3 + 1 entries)
 LENGTHS_AT, POINTERS_AT, DOCS_AT = 34, 34 + 4 * S, 34 + 12 * S

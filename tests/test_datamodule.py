@@ -21,8 +21,9 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from statefulset import StatefulsetError  # noqa: E402
-from statefulset.datamodule import StatefulsetDataModule, TrainStageLoader  # noqa: E402
-from statefulset.demo import demo_spec  # noqa: E402
+from statefulset.integrations.lightning.datamodule import StatefulsetDataModule  # noqa: E402
+from statefulset.integrations.lightning.stage_loaders import TrainStageLoader  # noqa: E402
+from statefulset.tools.demo import demo_spec  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -310,7 +311,7 @@ def test_without_lightning_the_import_says_what_to_install():
         "    sys.modules[name] = None\n"
         "from statefulset import StatefulsetError\n"
         "try:\n"
-        "    import statefulset.datamodule\n"
+        "    import statefulset.integrations.lightning.datamodule\n"
         "except StatefulsetError as exc:\n"
         "    print(exc)\n"
     )

@@ -28,7 +28,7 @@ from statefulset import (
     get_train_dataset,
     open_stream,
 )
-from statefulset.demo import demo_spec
+from statefulset.tools.demo import demo_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

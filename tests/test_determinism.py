@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from statefulset import StatefulsetError
-from statefulset.determinism import (
+from statefulset.integrations.megatron.determinism import (
     EpochIndex,
     IdentityMultiEpochDatasetWrapper,
     MultiEpochDatasetResampler,

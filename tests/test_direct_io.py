@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statefulset.direct_io import SequentialWriter
+from statefulset.shards.direct_io import SequentialWriter
 
 
 @settings(max_examples=60, deadline=None)

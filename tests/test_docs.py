@@ -51,7 +51,7 @@ from docblocks import (
 from docblocks import stray_markers as find_stray_markers
 
 from statefulset import load_spec, merge_datasets, open_stream
-from statefulset.demo import generate_documents
+from statefulset.tools.demo import generate_documents
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -94,7 +94,7 @@ def session_dir(tmp_path_factory) -> Path:
 def demo_corpus(session_dir) -> Path:
     """``statefulset demo`` run once, as the README says, in the folder the workspaces link to."""
     run = subprocess.run(
-        [sys.executable, "-m", "statefulset.cli", "demo"],
+        [sys.executable, "-m", "statefulset", "demo"],
         cwd=session_dir,
         env=_cli_env(),
         capture_output=True,
@@ -242,7 +242,7 @@ def test_python_blocks_run(page, fresh_workspace):
 # -- statefulset commands -----------------------------------------------------------------------
 def _run_command(text: str, cwd: Path) -> subprocess.CompletedProcess:
     rest = text.partition(" ")[2]  # the first word is statefulset (or a path to it)
-    argv0 = f"{shlex.quote(sys.executable)} -m statefulset.cli"
+    argv0 = f"{shlex.quote(sys.executable)} -m statefulset"
     return subprocess.run(
         ["bash", "-c", f"{argv0} {rest}"], cwd=cwd, env=_cli_env(), capture_output=True, text=True, timeout=300
     )

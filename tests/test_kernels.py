@@ -16,8 +16,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from statefulset import StatefulsetError, kernels, sampling
-from statefulset.sampling import build_sample_index, build_sample_index_numpy
+from statefulset import StatefulsetError
+from statefulset.index import compiled as kernels
+from statefulset.index.megatron import blend
+from statefulset.index.megatron import sample_index as sample_index_module
+from statefulset.index.megatron.gpt import build_sample_index
+from statefulset.index.megatron.sample_index import build_sample_index_numpy
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -120,7 +124,10 @@ def gpt_inputs(draw):
 @given(args=gpt_inputs())
 def test_sample_index_compiled_equals_numpy(compiled, args):
     expected = build_sample_index_numpy(*args)
-    for ours in (kernels.sample_index(*args, native=True), kernels.sample_index(*args, native=False)):
+    for ours in (
+        sample_index_module.sample_index(*args, native=True),
+        sample_index_module.sample_index(*args, native=False),
+    ):
         assert ours.dtype == expected.dtype == numpy.int32
         numpy.testing.assert_array_equal(ours, expected)
     numpy.testing.assert_array_equal(build_sample_index(*args), expected)
@@ -131,8 +138,8 @@ def test_sample_index_compiled_equals_numpy(compiled, args):
 def test_sample_index_int64_kernel(compiled, args):
     """The int64 variant (used from 2**31 document index entries on) gives the same values."""
     _, _, seq_length, epochs, tokens_per_epoch, drop_last, extra = args
-    n = kernels._num_samples(epochs * tokens_per_epoch - extra, seq_length, drop_last)
-    wide = kernels._sample_index_compiled(kernels._library(), *args, n, numpy.int64)
+    n = sample_index_module._num_samples(epochs * tokens_per_epoch - extra, seq_length, drop_last)
+    wide = sample_index_module._sample_index_compiled(kernels.library(), *args, n, numpy.int64)
     assert wide.dtype == numpy.int64
     numpy.testing.assert_array_equal(wide, build_sample_index_numpy(*args))
 
@@ -141,13 +148,13 @@ def test_build_sample_index_dispatches_to_the_kernel(compiled, monkeypatch):
     def refuse(*args):
         raise AssertionError("the NumPy fallback ran")
 
-    monkeypatch.setattr(sampling, "build_sample_index_numpy", refuse)
+    monkeypatch.setattr(sample_index_module, "build_sample_index_numpy", refuse)
     lengths = numpy.array([5, 3, 9], dtype=numpy.int32)
     documents = numpy.array([2, 0, 1, 1, 0, 2], dtype=numpy.int32)
     expected = [[0, 0], [0, 4], [0, 8], [1, 3], [2, 2], [4, 0], [4, 4], [5, 3], [5, 7]]
     assert build_sample_index(lengths, documents, 4, 2, 17).tolist() == expected
     with pytest.raises(AssertionError, match="fallback ran"):
-        kernels.sample_index(lengths, documents, 4, 2, 17, native=False)
+        sample_index_module.sample_index(lengths, documents, 4, 2, 17, native=False)
 
 
 def test_sample_index_other_integer_dtypes(compiled):
@@ -157,15 +164,15 @@ def test_sample_index_other_integer_dtypes(compiled):
     rng.shuffle(documents)
     args = (lengths, documents, 64, 3, int(lengths.sum()), False, 1)
     expected = build_sample_index_numpy(*args)
-    numpy.testing.assert_array_equal(kernels.sample_index(*args, native=True), expected)
-    assert kernels.sample_index(*args, native=True).dtype == expected.dtype
+    numpy.testing.assert_array_equal(sample_index_module.sample_index(*args, native=True), expected)
+    assert sample_index_module.sample_index(*args, native=True).dtype == expected.dtype
 
 
 @FAST
 @given(weights=weight_lists(), size=st.integers(0, 5000))
 def test_blending_compiled_equals_python(compiled, weights, size):
-    fast = kernels.blending_indices(weights, size, native=True)
-    slow = kernels.blending_indices(weights, size, native=False)
+    fast = blend.blending_indices(weights, size, native=True)
+    slow = blend.blending_indices(weights, size, native=False)
     for a, b, dtype in zip(fast, slow, (numpy.int16, numpy.int64), strict=True):
         assert a.dtype == b.dtype == dtype and a.shape == (size,)
         numpy.testing.assert_array_equal(a, b)
@@ -174,8 +181,8 @@ def test_blending_compiled_equals_python(compiled, weights, size):
 @FAST
 @given(sizes=st.lists(st.one_of(st.just(0), st.integers(0, 5000)), min_size=0, max_size=6))
 def test_exhaustive_compiled_equals_python(compiled, sizes):
-    fast = kernels.exhaustive_blending_indices(numpy.asarray(sizes, dtype=numpy.int64), native=True)
-    slow = kernels.exhaustive_blending_indices(numpy.asarray(sizes, dtype=numpy.int64), native=False)
+    fast = blend.exhaustive_blending_indices(numpy.asarray(sizes, dtype=numpy.int64), native=True)
+    slow = blend.exhaustive_blending_indices(numpy.asarray(sizes, dtype=numpy.int64), native=False)
     for a, b, dtype in zip(fast, slow, (numpy.int16, numpy.int64), strict=True):
         assert a.dtype == b.dtype == dtype and a.shape == (sum(sizes),)
         numpy.testing.assert_array_equal(a, b)
@@ -194,7 +201,7 @@ def test_sample_index_equals_megatron(helpers, args):
     lengths, documents, seq_length, epochs, tokens_per_epoch, drop_last, extra = args
     assume(seq_length > 1 and tokens_per_epoch > 1)  # megatron asserts both
     theirs = helpers.build_sample_idx_int32(lengths, documents, seq_length, epochs, tokens_per_epoch, drop_last, extra)
-    ours = kernels.sample_index(*args)
+    ours = sample_index_module.sample_index(*args)
     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
     # Known difference: when document_index starts with empty sequences megatron's row 0 is (0, 0),
     # the NumPy version (and so the kernel) skips them. The tokens read are the same.
@@ -211,9 +218,9 @@ def test_sample_index_equals_megatron_large(helpers, compiled):
     for drop_last in (True, False):
         for extra in (0, 1):
             args = (lengths, documents, 2048, 7, int(lengths.sum()), drop_last, extra)
-            ours = kernels.sample_index(*args, native=True)
+            ours = sample_index_module.sample_index(*args, native=True)
             numpy.testing.assert_array_equal(ours[start:], helpers.build_sample_idx_int32(*args)[start:])
-            wide = kernels._sample_index_compiled(kernels._library(), *args, ours.shape[0] - 1, numpy.int64)
+            wide = sample_index_module._sample_index_compiled(kernels.library(), *args, ours.shape[0] - 1, numpy.int64)
             numpy.testing.assert_array_equal(wide[start:], helpers.build_sample_idx_int64(*args)[start:])
 
 
@@ -228,7 +235,7 @@ def _megatron_blending(helpers, weights, size):
 @given(weights=weight_lists(positive=True), size=st.integers(0, 5000))
 def test_blending_equals_megatron(helpers, weights, size):
     theirs = _megatron_blending(helpers, weights, size)
-    for a, b in zip(kernels.blending_indices(weights, size), theirs, strict=True):
+    for a, b in zip(blend.blending_indices(weights, size), theirs, strict=True):
         numpy.testing.assert_array_equal(a, b)
 
 
@@ -237,7 +244,7 @@ def test_blending_equals_megatron_long(helpers, compiled, k):
     weights = numpy.random.default_rng(k).random(k)
     weights /= weights.sum()
     theirs = _megatron_blending(helpers, weights, 200_000)
-    for a, b in zip(kernels.blending_indices(weights, 200_000, native=True), theirs, strict=True):
+    for a, b in zip(blend.blending_indices(weights, 200_000, native=True), theirs, strict=True):
         numpy.testing.assert_array_equal(a, b)
 
 
@@ -248,19 +255,19 @@ def test_exhaustive_equals_megatron(helpers, sizes):
     ids = numpy.empty(sizes.sum(), dtype=numpy.int16)
     samples = numpy.empty(sizes.sum(), dtype=numpy.int64)
     helpers.build_exhaustive_blending_indices(ids, samples, sizes, sizes.size)
-    ours = kernels.exhaustive_blending_indices(sizes)
+    ours = blend.exhaustive_blending_indices(sizes)
     numpy.testing.assert_array_equal(ours[0], ids)
     numpy.testing.assert_array_equal(ours[1], samples)
 
 
 def test_exhaustive_zero_sizes_drop_out():
     """A dataset of size zero is never picked; the others blend as if it were not there."""
-    with_zero = kernels.exhaustive_blending_indices(numpy.array([0, 40, 0, 25, 0]))
-    without = kernels.exhaustive_blending_indices(numpy.array([40, 25]))
+    with_zero = blend.exhaustive_blending_indices(numpy.array([0, 40, 0, 25, 0]))
+    without = blend.exhaustive_blending_indices(numpy.array([40, 25]))
     numpy.testing.assert_array_equal(with_zero[0], numpy.array([1, 3])[without[0]])
     numpy.testing.assert_array_equal(with_zero[1], without[1])
     for native in (None, False):
-        ids, samples = kernels.exhaustive_blending_indices(numpy.zeros(3, dtype=numpy.int64), native=native)
+        ids, samples = blend.exhaustive_blending_indices(numpy.zeros(3, dtype=numpy.int64), native=native)
         assert ids.shape == samples.shape == (0,) and ids.dtype == numpy.int16
 
 
@@ -300,12 +307,12 @@ def test_disabled_by_environment(reloaded, caplog):
     with caplog.at_level(logging.INFO, logger="statefulset"):
         assert not kernels.available()
         assert not kernels.available()
-        ids, _ = kernels.blending_indices([0.7, 0.3], 10)
+        ids, _ = blend.blending_indices([0.7, 0.3], 10)
     assert ids.tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0]
     messages = [r.getMessage() for r in caplog.records if "compiled kernels unavailable" in r.getMessage()]
     assert len(messages) == 1 and "STATEFULSET_KERNELS" in messages[0]
     with pytest.raises(StatefulsetError, match="unavailable"):
-        kernels.blending_indices([1.0], 3, native=True)
+        blend.blending_indices([1.0], 3, native=True)
 
 
 @pytest.mark.parametrize("problem", ["no compiler", "unwritable cache"])
@@ -328,12 +335,13 @@ def test_falls_back_when_building_fails(reloaded, tmp_path, caplog, problem):
 CHILD = """
 import hashlib, sys, time, types
 from pathlib import Path
-# Import statefulset.kernels without the package __init__ (which imports torch: seconds per process).
+# Import the kernels without the package __init__ (which imports torch: seconds per process).
 package = types.ModuleType("statefulset")
 package.__path__ = [sys.argv[1]]
 sys.modules["statefulset"] = package
 import numpy
-from statefulset import kernels
+from statefulset.index import compiled as kernels
+from statefulset.index.megatron import blend
 # Start compiling together: wait until every child is ready.
 ready = Path(sys.argv[2])
 (ready / str(time.time_ns())).touch()
@@ -341,7 +349,7 @@ deadline = time.monotonic() + 60
 while len(list(ready.iterdir())) < int(sys.argv[3]) and time.monotonic() < deadline:
     time.sleep(0.005)
 assert kernels.available(), kernels._state["reason"]
-ids, samples = kernels.blending_indices(numpy.array([0.5, 0.3, 0.2]), 100_000)
+ids, samples = blend.blending_indices(numpy.array([0.5, 0.3, 0.2]), 100_000)
 print(Path(kernels._state["lib"]._name).name, hashlib.sha256(ids.tobytes() + samples.tobytes()).hexdigest())
 """
 
@@ -351,7 +359,7 @@ def test_concurrent_builds_agree(compiled, tmp_path):
     ready.mkdir()
     env = {**os.environ, "STATEFULSET_KERNEL_DIR": str(folder)}
     env.pop("STATEFULSET_KERNELS", None)
-    package = str(Path(kernels.__file__).parent)
+    package = str(Path(kernels.__file__).parent.parent)
     children = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD, package, str(ready), str(count)],
@@ -368,7 +376,7 @@ def test_concurrent_builds_agree(compiled, tmp_path):
         outputs.append(out.decode().strip())
     assert len(set(outputs)) == 1, outputs
     assert [p.name for p in folder.iterdir()] == [outputs[0].split()[0]]  # and no temporary files left
-    ids, samples = kernels.blending_indices(numpy.array([0.5, 0.3, 0.2]), 100_000, native=False)
+    ids, samples = blend.blending_indices(numpy.array([0.5, 0.3, 0.2]), 100_000, native=False)
     assert outputs[0].split()[1] == hashlib.sha256(ids.tobytes() + samples.tobytes()).hexdigest()
 
 
@@ -413,12 +421,12 @@ def test_sample_index_bad_input(native, change, message):
         else:
             kwargs[key] = value
     with pytest.raises(StatefulsetError, match=message):
-        kernels.sample_index(*args, native=native, **kwargs)
+        sample_index_module.sample_index(*args, native=native, **kwargs)
 
 
 def test_sample_index_one_token_total():
     """The smallest valid stream: one token and no extra."""
-    out = kernels.sample_index(
+    out = sample_index_module.sample_index(
         numpy.array([1], dtype=numpy.int32), numpy.array([0], dtype=numpy.int32), 2, 1, 1, False, 0
     )
     numpy.testing.assert_array_equal(
@@ -443,7 +451,7 @@ def test_sample_index_one_token_total():
 )
 def test_blending_bad_input(native, weights, size, message):
     with pytest.raises(StatefulsetError, match=message):
-        kernels.blending_indices(weights, size, native=native)
+        blend.blending_indices(weights, size, native=native)
 
 
 @pytest.mark.parametrize("native", [None, False])
@@ -459,4 +467,4 @@ def test_blending_bad_input(native, weights, size, message):
 )
 def test_exhaustive_bad_input(native, sizes, message):
     with pytest.raises(StatefulsetError, match=message):
-        kernels.exhaustive_blending_indices(sizes, native=native)
+        blend.exhaustive_blending_indices(sizes, native=native)

@@ -22,7 +22,7 @@ from statefulset import (
     get_val_dataset,
     open_stream,
 )
-from statefulset import state as state_module
+from statefulset.loading import state as state_module
 
 
 @pytest.fixture(scope="module")

@@ -25,17 +25,16 @@ from statefulset import (
     get_savable_loader,
     get_train_dataset,
 )
-from statefulset.demo import demo_spec
-from statefulset.megatron_lm import (
-    GPTBatchConfig,
-    build_megatron_iterators,
-    gpt_batch,
+from statefulset.integrations.megatron.batch import GPTBatchConfig, gpt_batch
+from statefulset.integrations.megatron.builder import build_megatron_iterators
+from statefulset.integrations.megatron.state_files import (
     load_megatron_dataloader_state,
     megatron_dataloader_state_path,
     save_megatron_dataloader_state,
 )
-from statefulset.parallel import create_parallel_groups
-from statefulset.stream import open_stream
+from statefulset.parallel.groups import create_parallel_groups
+from statefulset.streams.opening import open_stream
+from statefulset.tools.demo import demo_spec
 
 B, SEQ, STEPS, CUT = 2, 32, 6, 3
 CFG = GPTBatchConfig(

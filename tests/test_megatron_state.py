@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from statefulset import ParallelLayout, StatefulsetError
-from statefulset.megatron_lm import (
+from statefulset.integrations.megatron.state_files import (
     add_statefulset_args,
     layout_from_megatron_args,
     load_megatron_dataloader_state_from_args,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from statefulset import IndexedDataset, IndexedDatasetWriter
-from statefulset.cli import main
-from statefulset.shard_names import OTHER_NAMES, key_groups
+from statefulset.shards.names import OTHER_NAMES, key_groups
+from statefulset.tools.cli import main
 
 
 @pytest.fixture

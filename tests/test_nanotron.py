@@ -16,14 +16,10 @@ import torch
 from ranks import init_rank, spawn
 
 from statefulset import ParallelLayout, StatefulsetError, create_parallel_groups, open_stream
-from statefulset.demo import demo_spec
-from statefulset.nanotron import (
-    NANOTRON_KEYS,
-    TensorPointer,
-    build_nanotron_dataloader,
-    clm_micro_batch,
-    layout_from_parallel_context,
-)
+from statefulset.integrations.nanotron.batch import NANOTRON_KEYS, TensorPointer, clm_micro_batch
+from statefulset.integrations.nanotron.context import layout_from_parallel_context
+from statefulset.integrations.nanotron.dataloader import build_nanotron_dataloader
+from statefulset.tools.demo import demo_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError
-from statefulset.native import BlendSchedule, WindowSource
+from statefulset.index.native.blend_tree import BlendSchedule
+from statefulset.index.native.windows import WindowSource
 
 
 @settings(max_examples=150, deadline=None)

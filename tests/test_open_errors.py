@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from statefulset import IndexedDatasetWriter, StatefulsetError, WorkerConfig, get_train_dataset
-from statefulset.spec import load_spec
-from statefulset.stream import open_stream
+from statefulset.spec.model import load_spec
+from statefulset.streams.opening import open_stream
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ import yaml
 from conftest import write_printable_shards
 
 from statefulset import IndexedDataset
-from statefulset.cli import main
-from statefulset.overview import describe
-from statefulset.preview import preview_spec
-from statefulset.sampling import plan_epochs
-from statefulset.stream import open_stream
+from statefulset.index.megatron.gpt import plan_epochs
+from statefulset.streams.opening import open_stream
+from statefulset.streams.overview import describe
+from statefulset.tools.cli import main
+from statefulset.tools.preview import preview_spec
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,9 @@ from hypothesis import strategies as st
 from ranks import init_rank, spawn
 
 from statefulset.errors import StatefulsetError
-from statefulset.parallel import (
-    ParallelLayout,
-    PlaceholderLoader,
-    create_data_parallel_groups,
-    create_parallel_groups,
-)
+from statefulset.loading.placeholder import PlaceholderLoader
+from statefulset.parallel.groups import create_data_parallel_groups, create_parallel_groups
+from statefulset.parallel.layout import ParallelLayout
 
 MEGATRON_ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-dp", "tp-dp-pp", "pp-dp-cp-ep-tp", "dp-tp-cp-pp-ep")
 

@@ -6,7 +6,8 @@ import numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statefulset.permutation import KeyedPermutation, derive_key
+from statefulset.index.native.keys import derive_key
+from statefulset.index.native.permutation import KeyedPermutation
 
 
 @settings(max_examples=200, deadline=None)
@@ -47,7 +48,7 @@ def test_keys_give_different_orders_that_look_shuffled():
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 2**50), st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**50), min_size=1, max_size=40))
 def test_compiled_rounds_equal_the_numpy_rounds(n, key, picks):
-    from statefulset import kernels
+    from statefulset.index import compiled as kernels
 
     if not kernels.available():
         return

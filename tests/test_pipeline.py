@@ -7,7 +7,7 @@ import torch
 from ranks import init_rank, spawn
 
 from statefulset import StatefulsetError
-from statefulset.pipeline import StageLink, TensorSpec, broadcast_batch
+from statefulset.parallel.transfer import StageLink, TensorSpec, broadcast_batch
 
 SPECS = (TensorSpec("text", (2, 5), torch.int64), TensorSpec("mask", (2, 4), torch.float32))
 

@@ -22,7 +22,7 @@ from statefulset import (
     get_val_dataset,
 )
 from statefulset.errors import SequenceIndexError, StatefulsetError
-from statefulset.tokenization import ByteTokenizer
+from statefulset.tools.tokenizers import ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_plain_data_and_errors(shards):
 
 # -- statefulset explain ------------------------------------------------------------------------------
 def run_cli(capsys, *args) -> tuple[int, str, str]:
-    from statefulset.cli import main
+    from statefulset.tools.cli import main
 
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
@@ -246,7 +246,7 @@ def test_cli_errors(capsys, spec_files, args, message):
 
 def test_cli_explain_in_a_subprocess(spec_files):
     run = subprocess.run(
-        [sys.executable, "-m", "statefulset.cli", "explain", str(spec_files["native"]), "--position", "1"],
+        [sys.executable, "-m", "statefulset", "explain", str(spec_files["native"]), "--position", "1"],
         capture_output=True,
         text=True,
     )
@@ -257,8 +257,8 @@ def test_cli_explain_in_a_subprocess(spec_files):
 def test_explain_and_the_open_log_hold_no_copy_of_the_index(tmp_path, caplog):
     """Two million sequences (a 40 MB .idx): explaining a sample and describing the split allocate
     kilobytes, so they read the mapped index, never a copy of it (the O(1) promise)."""
-    from statefulset.overview import describe
-    from statefulset.stream import open_stream
+    from statefulset.streams.opening import open_stream
+    from statefulset.streams.overview import describe
 
     count = 2_000_000
     prefix = str(tmp_path / "big")

@@ -8,8 +8,8 @@ import numpy
 import pytest
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError
-from statefulset.sampling import build_gpt_indices
-from statefulset.split import parse_split, split_matrix, split_range
+from statefulset.index.megatron.gpt import build_gpt_indices
+from statefulset.spec.splits import parse_split, split_matrix, split_range
 
 builder_module = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
 gpt_module = pytest.importorskip("megatron.core.datasets.gpt_dataset")

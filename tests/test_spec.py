@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statefulset import IndexedDatasetWriter, StatefulsetError
-from statefulset.spec import load_spec
+from statefulset.spec.model import load_spec
 
 
 @pytest.fixture

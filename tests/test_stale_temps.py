@@ -23,7 +23,7 @@ import numpy
 import pytest
 
 from statefulset import IndexedDataset, IndexedDatasetWriter
-from statefulset.shard_temps import _HOST
+from statefulset.shards.temporaries import _HOST
 
 TEMP = re.compile(r"^\.x_(text|title)_document\.bin\..*\.tmp$")
 
@@ -60,7 +60,7 @@ def write_jsonl(path, documents: int) -> None:
 
 def preprocess_cmd(source, prefix, workers: int) -> list[str]:
     return [
-        sys.executable, "-m", "statefulset.cli", "preprocess", "--input", str(source), "--output-prefix",
+        sys.executable, "-m", "statefulset", "preprocess", "--input", str(source), "--output-prefix",
         str(prefix), "--json-keys", "text", "title", "--chunk-bytes", "4096", "--workers", str(workers), "--quiet",
     ]  # fmt: skip
 

@@ -14,8 +14,8 @@ import numpy
 import pytest
 
 from statefulset import IndexedDatasetWriter, StatefulsetError
-from statefulset.split import SPLITS
-from statefulset.stream import open_stream
+from statefulset.spec.splits import SPLITS
+from statefulset.streams.opening import open_stream
 
 builder_module = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
 gpt_module = pytest.importorskip("megatron.core.datasets.gpt_dataset")

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from statefulset import IndexedDataset, IndexedDatasetWriter
-from statefulset.split import parse_split, split_matrix, split_range
-from statefulset.stream import open_stream
+from statefulset.spec.splits import parse_split, split_matrix, split_range
+from statefulset.streams.opening import open_stream
 
 
 @pytest.fixture(scope="module")

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 import statefulset
-from statefulset.cli import main
-from statefulset.progress import Progress
+from statefulset.tools.cli import main
+from statefulset.tools.progress import Progress
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args, **kwargs):
     return subprocess.run(
-        [sys.executable, "-m", "statefulset.cli", *map(str, args)], capture_output=True, text=True, **kwargs
+        [sys.executable, "-m", "statefulset", *map(str, args)], capture_output=True, text=True, **kwargs
     )
 
 
@@ -90,7 +90,7 @@ def test_progress_on_a_terminal_is_a_tqdm_bar(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "statefulset.cli",
+                "statefulset",
                 "preprocess",
                 "--input",
                 str(source),
@@ -128,7 +128,7 @@ def test_progress_lines_come_at_most_every_interval(monkeypatch):
     for _ in range(5):
         progress.update(1, 10, 100)
     assert out.getvalue() == ""  # within the first interval: nothing yet
-    monkeypatch.setattr("statefulset.progress.LINE_EVERY_S", 0.0)
+    monkeypatch.setattr("statefulset.tools.progress.LINE_EVERY_S", 0.0)
     progress.update(1, 10, 100)
     progress.close()
     first, last = out.getvalue().splitlines()

@@ -13,9 +13,10 @@ import tracemalloc
 import numpy
 import pytest
 
-from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError, idx_format, merge_datasets
-from statefulset import writer as writer_module
-from statefulset.shard_names import find_prefixes, natural_key
+from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError, merge_datasets
+from statefulset.shards import idx_format
+from statefulset.shards import writer as writer_module
+from statefulset.shards.names import find_prefixes, natural_key
 
 
 def test_exception_inside_with_leaves_nothing(tmp_path):

@@ -1,0 +1,235 @@
+"""Where derived indices live: a content-keyed, crash-safe, concurrency-safe cache of numpy arrays.
+
+megatron-core keys its cache by the prefix *string*, so a re-tokenised corpus silently reuses
+stale indices, and it relies on "global rank 0 builds, everyone waits at a barrier", which breaks
+without a shared filesystem. Here:
+
+- the key hashes everything the arrays depend on, including each shard's *content* digest
+  (of its ``.idx``: the indices depend on sequence lengths only, and those live there);
+- every process may build: an ``flock`` makes concurrent builders on one filesystem wait for
+  the first, and on separate filesystems (one per node) each node builds its own copy; a waiter
+  logs what it waits for and gives up after ``STATEFULSET_CACHE_WAIT`` seconds (default 3600);
+- an entry appears atomically (a folder written under a temporary name, then renamed), so a
+  crash mid-build leaves nothing that looks complete; the next build of that entry, holding its
+  lock, removes the temporary folder a killed builder left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy
+
+from statefulset.errors import StatefulsetError
+
+logger = logging.getLogger("statefulset")
+
+CACHE_VERSION = 1
+# Entries this process built (not loaded), by kind: what tests and logs use to see who built.
+builds: dict[str, int] = {}
+# How long a process waits for another one's build of the same entry: a build of 10^9 sequences
+# takes minutes, so an hour means the builder is stuck (its lock would be gone had it died).
+_DEFAULT_WAIT_S = 3600.0
+_REPORT_EVERY_S = 60.0
+
+
+def description_key(description: dict[str, Any]) -> str:
+    text = json.dumps({"cache_version": CACHE_VERSION, **description}, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+# -- the array cache ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[bool]:
+    """An exclusive flock, released by the kernel if the holder dies; no lock where flock is unsupported.
+
+    Yields whether the lock is held.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            _wait_for_lock(fd, path)
+            held = True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            held = False
+        yield held
+    finally:
+        os.close(fd)
+
+
+def _wait_bound() -> float:
+    text = os.environ.get("STATEFULSET_CACHE_WAIT", "")
+    try:
+        bound = float(text) if text.strip() else _DEFAULT_WAIT_S
+    except ValueError:
+        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be a number of seconds, got {text!r}") from None
+    if not bound > 0:
+        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be positive, got {text!r}")
+    return bound
+
+
+def _wait_for_lock(fd: int, path: str) -> None:
+    """Take the flock, polling, saying what it waits for, and giving up after the bound."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    bound, start = _wait_bound(), time.monotonic()
+    entry = path.removesuffix(".lock")
+    logger.info("statefulset: waiting for another process that is building %s", entry)
+    pause, reported = 0.01, start
+    while True:
+        time.sleep(pause)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if now - start >= bound:
+            raise StatefulsetError(
+                f"{entry}: waited {bound:g} s for another process building this index (it holds {path}, "
+                "and is alive: a dead one's lock is released); check that process, or raise STATEFULSET_CACHE_WAIT"
+            )
+        if now - reported >= _REPORT_EVERY_S:
+            reported = now
+            logger.warning("statefulset: still waiting (%.0f s) for another process building %s", now - start, entry)
+        pause = min(pause * 2, 1.0, max(bound - (now - start), 0.001))
+
+
+def _temp_prefix(path: str) -> str:
+    return ".tmp-" + os.path.basename(path) + "-"
+
+
+def _remove_stale_temps(path: str) -> None:
+    """Remove what killed builders of entry ``path`` left; only called with the entry's lock held,
+    so no live process is writing any of them (every builder of the entry takes that lock)."""
+    parent, prefix = os.path.dirname(path), _temp_prefix(path)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if name.startswith(prefix):
+                logger.info("statefulset: removing %s, left by an index build that was killed", name)
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+class IndexCache:
+    """Arrays keyed by a description; ``root=None`` keeps everything in memory."""
+
+    def __init__(self, root: str | None) -> None:
+        self.root = root
+
+    def entry_path(self, kind: str, description: dict[str, Any]) -> str | None:
+        if self.root is None:
+            return None
+        return os.path.join(self.root, f"{kind}-{description_key(description)}")
+
+    def get_or_build(
+        self, kind: str, description: dict[str, Any], build: Callable[[], dict[str, numpy.ndarray]]
+    ) -> dict[str, numpy.ndarray]:
+        """The cached arrays (memory-mapped) or, on a miss, ``build()``'s, stored for next time."""
+        path = self.entry_path(kind, description)
+        if path is None:
+            return _timed_build(kind, build, "in memory (no path_to_cache)")
+        started = time.perf_counter()
+        found = self._load(path, description)
+        if found is not None:
+            logger.debug("statefulset: loaded %s indices from %s in %.3f s", kind, path, time.perf_counter() - started)
+            return found
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            logger.warning("statefulset: cannot create cache folder %s (%s); building in memory", self.root, exc)
+            return build()
+        with _locked(path + ".lock") as held:
+            found = self._load(path, description)  # another process may have finished while we waited
+            if found is not None:
+                return found
+            if held:
+                _remove_stale_temps(path)
+            arrays = _timed_build(kind, build, f"into {path}")
+            try:
+                self._store(path, description, arrays)
+            except OSError as exc:
+                logger.warning("statefulset: cannot write cache entry %s (%s); using it from memory", path, exc)
+                return arrays
+        loaded = self._load(path, description)
+        return arrays if loaded is None else loaded
+
+    @staticmethod
+    def _load(path: str, description: dict[str, Any]) -> dict[str, numpy.ndarray] | None:
+        manifest = os.path.join(path, "description.json")
+        if not os.path.exists(manifest):
+            return None
+        try:
+            with open(manifest, encoding="utf-8") as f:
+                saved = json.load(f)
+            arrays = {name: numpy.load(os.path.join(path, name + ".npy"), mmap_mode="r") for name in saved["arrays"]}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise StatefulsetError(f"{path}: cache entry is damaged ({exc}); delete the folder to rebuild it") from exc
+        if saved.get("description") != json.loads(json.dumps(description)):
+            raise StatefulsetError(f"{path}: cache entry describes other data (hash collision?); delete it")
+        for name, shape in saved["arrays"].items():
+            if list(arrays[name].shape) != shape:
+                raise StatefulsetError(f"{path}/{name}.npy: shape {arrays[name].shape}, expected {tuple(shape)}")
+        return arrays
+
+    @staticmethod
+    def _store(path: str, description: dict[str, Any], arrays: dict[str, numpy.ndarray]) -> None:
+        parent = os.path.dirname(path)
+        tmp = tempfile.mkdtemp(dir=parent, prefix=_temp_prefix(path))
+        try:
+            for name, array in arrays.items():
+                with open(os.path.join(tmp, name + ".npy"), "wb") as f:
+                    numpy.save(f, numpy.ascontiguousarray(array), allow_pickle=False)
+                    f.flush()
+                    os.fsync(f.fileno())
+            manifest = {
+                "description": description,
+                "arrays": {name: list(array.shape) for name, array in arrays.items()},
+            }
+            with open(os.path.join(tmp, "description.json"), "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o777 & ~_umask())
+            try:
+                os.rename(tmp, path)
+            except OSError as exc:
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)  # someone else's complete entry won the race
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _timed_build(kind: str, build: Callable[[], dict[str, numpy.ndarray]], where: str) -> dict[str, numpy.ndarray]:
+    started = time.perf_counter()
+    arrays = build()
+    builds[kind] = builds.get(kind, 0) + 1
+    logger.info("statefulset: built %s indices %s in %.2f s", kind, where, time.perf_counter() - started)
+    return arrays
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

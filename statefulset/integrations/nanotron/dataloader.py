@@ -1,0 +1,428 @@
+"""A drop-in for Nanotron's train dataloader: its micro-batch format, its pipeline roles, its resume integer.
+
+Nanotron's trainer draws ``n_micro_batches_per_batch`` micro-batches per step with
+``batch = (next(dataloader) for _ in range(n))`` on **every** rank and hands that generator to
+the pipeline engine, which pulls from it lazily while it schedules forwards and backwards. Each
+micro-batch is a dict with ``input_ids``, ``input_mask``, ``label_ids`` and ``label_mask``
+(``[micro_batch_size, sequence_length]``); on a pipeline stage that does not hold a tensor, the
+value is a ``TensorPointer(group_rank=...)`` naming the stage that does. Its collator
+(``DataCollatorForCLM``) builds them from ``[sequence_length + 1]`` token rows: inputs drop the
+last token, labels drop the first, masks are all True, and context-parallel ranks keep a
+contiguous slice of the sequence.
+
+:func:`build_nanotron_dataloader` returns an iterator with that behaviour, called identically
+on every rank:
+
+- **input stage** (``input_pp_rank``, the first stage by default): the only rank that reads
+  shards. Every TP (and CP) rank of it runs its own :class:`~statefulset.loading.loader.SavableLoader`
+  over the same DP slice, as Nanotron does, so there is no TP broadcast. Rows follow the
+  contract's layout: DP rank ``r`` of ``W``, micro-batch ``t``, row ``j`` holds global stream
+  position ``consumed_train_samples + (t*W + r)*micro_batch_size + j``.
+- **output stage** (``output_pp_rank``, the last stage by default): gets the raw ``text`` rows
+  from the input stage of its own pipeline over a :class:`~statefulset.parallel.transfer.StageLink` and
+  derives ``label_ids``/``label_mask`` with the same function. Labels therefore cannot drift from
+  inputs, and shards are read once per pipeline, not twice.
+- **other stages**: yield four ``TensorPointer``s per ``next()``, forever, with no I/O, so they
+  step in lockstep like Nanotron's ``EmptyInfiniteDataset``.
+
+Why the lazy draw cannot deadlock: the input stage's sends are ``isend`` (it never waits for the
+output stage's schedule) and at most ``send_depth`` of them are in flight; the default,
+``n_micro_batches_per_batch + pp``, exceeds the number of micro-batches a pipeline schedule can
+draw on the input stage before the output stage has received the first of them (at most one
+step: the input stage cannot finish a step's backwards before the output stage computed every
+loss of that step, each of which needed its labels). The output stage's ``recv`` of micro-batch
+``i`` waits only for the input stage's draw ``i``, which precedes the input stage's forward ``i``
+that the output stage waits for anyway.
+
+Resume is Nanotron's: pass the checkpoint's ``consumed_train_samples`` (``+= micro_batch_size *
+n_micro_batches_per_batch * dp`` per step). It is a global stream position, so it resumes exactly
+into any DP size, micro-batch size or accumulation count; see :func:`build_nanotron_dataloader`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from statefulset.errors import StatefulsetError, check_int
+from statefulset.integrations.nanotron.batch import TensorPointer, clm_micro_batch
+from statefulset.integrations.nanotron.context import (
+    ParallelContextLike,
+    check_context_groups,
+    layout_from_parallel_context,
+)
+from statefulset.loading.datasets import get_train_dataset
+from statefulset.loading.loader import SavableLoader, get_savable_loader
+from statefulset.loading.worker_config import WorkerConfig
+from statefulset.parallel.groups import create_parallel_groups, raise_on_every_rank
+from statefulset.parallel.layout import ParallelLayout, RankInfo
+from statefulset.parallel.transfer import StageLink, TensorSpec
+from statefulset.spec.model import DatasetSpec, load_spec
+
+__all__ = ["NanotronDataLoader", "build_nanotron_dataloader"]
+
+
+_STATE_VERSION = 1
+# get_savable_loader's options, checked on every rank (the loader is only built on the input stage).
+_LOADER_OPTIONS = frozenset(inspect.signature(get_savable_loader).parameters) - {"dataset", "worker_config"}
+
+
+class NanotronDataLoader:
+    """One rank's endless iterator of Nanotron CLM micro-batches; build it with :func:`build_nanotron_dataloader`.
+
+    Every rank of the job must call ``next()`` the same number of times (Nanotron's trainer does:
+    ``n_micro_batches_per_batch`` per step). :attr:`consumed_train_samples` is then the value
+    Nanotron keeps in its checkpoint metadata, on every rank.
+    """
+
+    def __init__(
+        self,
+        info: RankInfo,
+        *,
+        micro_batch_size: int,
+        sequence_length: int,
+        n_micro_batches_per_batch: int,
+        consumed_train_samples: int,
+        input_pp_rank: int,
+        output_pp_rank: int,
+        cp_size: int,
+        loader: SavableLoader | None,
+        link: StageLink | None,
+        include_sample_id: bool,
+    ) -> None:
+        self.info = info
+        self.micro_batch_size = micro_batch_size
+        self.sequence_length = sequence_length
+        self.n_micro_batches_per_batch = n_micro_batches_per_batch
+        self.input_pp_rank = input_pp_rank
+        self.output_pp_rank = output_pp_rank
+        self.cp_size = cp_size
+        self.loader = loader
+        """The shard-reading loader (input stage only; None elsewhere)."""
+        self.link = link
+        self.include_sample_id = include_sample_id
+        self._base = consumed_train_samples
+        self._drawn = 0
+
+    # -- roles ------------------------------------------------------------------------------------
+    @property
+    def pp_rank(self) -> int:
+        return self.info.pp_rank
+
+    @property
+    def is_input_stage(self) -> bool:
+        """This rank yields ``input_ids``/``input_mask`` tensors (and reads the shards)."""
+        return self.info.pp_rank == self.input_pp_rank
+
+    @property
+    def is_output_stage(self) -> bool:
+        """This rank yields ``label_ids``/``label_mask`` tensors."""
+        return self.info.pp_rank == self.output_pp_rank
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over the whole job: ``micro_batch_size * n_micro_batches_per_batch * dp``."""
+        return self.micro_batch_size * self.n_micro_batches_per_batch * self.info.dp_size
+
+    @property
+    def micro_batches_drawn(self) -> int:
+        """``next()`` calls on this rank since it was built (or restored)."""
+        return self._drawn
+
+    @property
+    def consumed_train_samples(self) -> int:
+        """Nanotron's metadata integer once every rank drew as many micro-batches as this one.
+
+        After whole steps it equals the trainer's count (``+= global batch`` per step); it is also
+        exact mid-step, since micro-batch ``t`` of every DP rank covers the same global rows.
+        """
+        return self._base + self._drawn * self.micro_batch_size * self.info.dp_size
+
+    # -- iteration --------------------------------------------------------------------------------
+    def __iter__(self) -> NanotronDataLoader:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        text: torch.Tensor | None = None
+        sample_id: torch.Tensor | None = None
+        if self.loader is not None:  # the input stage
+            raw = next(self.loader)
+            text, sample_id = raw["text"], raw["sample_id"]
+            if self.link is not None:
+                self.link.send({"text": text, "sample_id": sample_id})
+        elif self.link is not None:  # the output stage of a pipeline whose input stage is elsewhere
+            got = self.link.recv()
+            text, sample_id = got["text"], got["sample_id"]
+        batch = clm_micro_batch(
+            text,  # type: ignore[arg-type]  # None only where no tensor is built
+            pp_rank=self.info.pp_rank,
+            input_pp_rank=self.input_pp_rank,
+            output_pp_rank=self.output_pp_rank,
+            cp_rank=self.info.cp_rank,
+            cp_size=self.cp_size,
+        )
+        if self.include_sample_id:
+            if sample_id is None:
+                batch["sample_id"] = TensorPointer(group_rank=self.input_pp_rank)
+            else:
+                batch["sample_id"] = sample_id.clone()
+        self._drawn += 1
+        return batch
+
+    def micro_batches(self) -> Iterator[dict[str, Any]]:
+        """One step's draw, exactly as Nanotron's trainer makes it: a lazy generator of ``n`` micro-batches."""
+        return (next(self) for _ in range(self.n_micro_batches_per_batch))
+
+    def flush(self) -> None:
+        """Wait until the output stage has received every micro-batch sent so far (input stage; else no-op).
+
+        Call before tearing down the process group; a checkpoint does not need it.
+        """
+        if self.link is not None and self.is_input_stage:
+            self.link.flush()
+
+    close = flush
+
+    # -- state ------------------------------------------------------------------------------------
+    def save_state_rank(self) -> dict[str, Any]:
+        """This rank's state: plain data; the input stage's includes its loader state (with the data fingerprint).
+
+        Nanotron itself only keeps ``consumed_train_samples``; this state adds the check that the
+        resumed run reads the same data, seed and packing, at the cost of a fixed DP size.
+        """
+        return {
+            "nanotron_loader": _STATE_VERSION,
+            "consumed_train_samples": self.consumed_train_samples,
+            "dp_size": self.info.dp_size,
+            "loader": self.loader.save_state_rank() if self.loader is not None else None,
+        }
+
+    def restore_state_rank(self, state: Mapping[str, Any]) -> None:
+        """Continue after the micro-batches the saving rank had drawn; call before the first ``next()``.
+
+        A changed DP size is refused here (rank states are per DP rank); resume from
+        ``consumed_train_samples`` instead, which fits any DP size.
+        """
+        where = f"restore_state_rank (global rank {self.info.global_rank}, pp_rank {self.info.pp_rank})"
+        if self._drawn:
+            raise StatefulsetError(f"{where}: this loader has already yielded micro-batches; restore into a fresh one")
+        if not isinstance(state, Mapping) or state.get("nanotron_loader") != _STATE_VERSION:
+            raise StatefulsetError(f"{where}: not a statefulset Nanotron loader state (version {_STATE_VERSION})")
+        consumed = check_int("consumed_train_samples", state.get("consumed_train_samples"), 0, where)
+        if state.get("dp_size") != self.info.dp_size:
+            raise StatefulsetError(
+                f"{where}: state saved with dp_size {state.get('dp_size')!r}, this job has {self.info.dp_size}; "
+                "rebuild with consumed_train_samples to change the DP size"
+            )
+        if self.loader is not None:
+            if state.get("loader") is None:
+                raise StatefulsetError(f"{where}: field 'loader' is empty; this state was saved on a non-reading stage")
+            self.loader.restore_state_rank(state["loader"])
+            if self.loader.consumed_samples != consumed:
+                raise StatefulsetError(
+                    f"{where}: field 'consumed_train_samples' {consumed} disagrees with its loader state "
+                    f"({self.loader.consumed_samples})"
+                )
+        self._base = consumed
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.distributed.checkpoint's Stateful protocol, keyed by global rank (ranks hold different states)."""
+        return {f"rank_{self.info.global_rank}": self.save_state_rank()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        key = f"rank_{self.info.global_rank}"
+        if not isinstance(state_dict, Mapping) or key not in state_dict:
+            raise StatefulsetError(f"load_state_dict: key {key!r} is missing")
+        self.restore_state_rank(state_dict[key])
+
+    def __repr__(self) -> str:
+        role = "+".join(r for r, on in (("input", self.is_input_stage), ("output", self.is_output_stage)) if on)
+        return (
+            f"NanotronDataLoader(rank={self.info.global_rank}, pp_rank={self.info.pp_rank}, "
+            f"dp_rank={self.info.dp_rank}/{self.info.dp_size}, role={role or 'pointers'}, "
+            f"consumed_train_samples={self.consumed_train_samples})"
+        )
+
+
+def _link_group(layout: ParallelLayout) -> Any:
+    """A group that carries CPU tensors between pipeline stages: the world if it speaks gloo, else new gloo PP groups.
+
+    Creating groups is a collective over the world; every rank calls the builder, with the
+    same arguments, so every rank takes the same branch.
+    """
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend()).lower():
+        return None
+    return create_parallel_groups(layout, ("pp",), backend="gloo")["pp"]
+
+
+def build_nanotron_dataloader(
+    spec: str | os.PathLike[str] | Mapping[str, Any] | DatasetSpec,
+    parallel: ParallelLayout | ParallelContextLike,
+    rank: int | None = None,
+    *,
+    micro_batch_size: int,
+    n_micro_batches_per_batch: int = 1,
+    consumed_train_samples: int = 0,
+    input_pp_rank: int = 0,
+    output_pp_rank: int | None = None,
+    sequence_length: int | None = None,
+    num_workers: int = 0,
+    data_parallel_group: Any = None,
+    link_group: Any = None,
+    send_depth: int | None = None,
+    include_sample_id: bool = False,
+    seed_offset: int = 0,
+    **loader_options: Any,
+) -> NanotronDataLoader:
+    """Nanotron's train dataloader for ``spec`` on global ``rank``: call it on every rank with the same arguments.
+
+    ``parallel`` is a :class:`ParallelLayout` (Nanotron's layout is the default order) or a
+    Nanotron ``ParallelContext``; from a context, ``dp_pg`` becomes the DP group and its groups'
+    ranks are checked against the layout. ``rank`` defaults to ``torch.distributed.get_rank()``
+    (0 without torch.distributed).
+
+    ``consumed_train_samples`` is Nanotron's checkpoint metadata (``+= micro_batch_size *
+    n_micro_batches_per_batch * dp`` per step). It names the first stream position no rank has
+    trained on, so any value resumes exactly: a multiple of the *current* global batch is not
+    required, and would be wrong to require, since a run saved with another DP size, micro-batch
+    size or accumulation count (or mid-way through a batch-size ramp) legitimately leaves one.
+
+    ``sequence_length``, when given (Nanotron's ``tokens.sequence_length``), must equal the spec's
+    ``seq_length``; the micro-batches are ``[micro_batch_size, seq_length]``.
+
+    ``n_micro_batches_per_batch`` is the trainer's ``batch_accumulation_per_replica``; it sizes the
+    in-flight window of the input → output stage link (``send_depth``, default ``n + pp``) so the
+    input stage never blocks on the output stage within a step. ``num_workers`` and
+    ``loader_options`` go to :func:`~statefulset.get_savable_loader` on the input stage.
+    ``link_group`` carries the CPU text rows to the output stage: the world when its backend speaks
+    gloo, otherwise gloo PP groups created here (a collective). ``include_sample_id`` adds
+    ``sample_id`` (int64 ``[micro_batch_size]``, the rows' global positions) for checks and logs;
+    leave it off when the model's forward takes ``**micro_batch``.
+    """
+    where = "build_nanotron_dataloader"
+    unknown = sorted(set(loader_options) - _LOADER_OPTIONS)
+    if unknown:
+        raise StatefulsetError(f"{where}: unknown keyword argument(s): {', '.join(unknown)}")
+    context = None
+    if isinstance(parallel, ParallelLayout):
+        layout = parallel
+    elif isinstance(parallel, ParallelContextLike):
+        context = parallel
+        layout = layout_from_parallel_context(parallel)
+    else:
+        raise StatefulsetError(
+            f"{where}: parallel must be a ParallelLayout or a Nanotron ParallelContext, got {type(parallel).__name__}"
+        )
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_world_size() != layout.world_size:
+        raise StatefulsetError(
+            f"{where}: the layout has world_size {layout.world_size}, torch.distributed has {dist.get_world_size()}"
+        )
+    if rank is None:
+        rank = dist.get_rank() if distributed else 0
+    rank = check_int("rank", rank, 0, where)
+    if rank >= layout.world_size:
+        raise StatefulsetError(f"{where}: rank {rank} is outside [0, world_size {layout.world_size})")
+    if distributed and rank != dist.get_rank():
+        raise StatefulsetError(f"{where}: rank {rank} was passed but torch.distributed says {dist.get_rank()}")
+    where = f"{where} (global rank {rank})"
+    micro_batch_size = check_int("micro_batch_size", micro_batch_size, 1, where)
+    n_micro = check_int("n_micro_batches_per_batch", n_micro_batches_per_batch, 1, where)
+    consumed = check_int("consumed_train_samples", consumed_train_samples, 0, where)
+    if consumed >= 2**62:
+        raise StatefulsetError(f"{where}: consumed_train_samples {consumed} is beyond any stream (>= 2**62)")
+    input_pp_rank = check_int("input_pp_rank", input_pp_rank, 0, where)
+    output_pp_rank = layout.pp - 1 if output_pp_rank is None else check_int("output_pp_rank", output_pp_rank, 0, where)
+    for name, value in (("input_pp_rank", input_pp_rank), ("output_pp_rank", output_pp_rank)):
+        if value >= layout.pp:
+            raise StatefulsetError(f"{where}: {name} {value} is outside the pipeline [0, pp {layout.pp})")
+    depth = n_micro + layout.pp if send_depth is None else check_int("send_depth", send_depth, 1, where)
+    info = layout.rank_info(rank)
+    # Errors only some ranks can see are raised on every rank (raise_on_every_rank below), after
+    # every rank has passed the same collectives, so none is left waiting for a peer that gave up.
+    errors: list[str | None] = []
+    if context is not None:
+        try:
+            check_context_groups(context, info)
+        except StatefulsetError as error:
+            errors.append(str(error))
+        if data_parallel_group is None:
+            data_parallel_group = getattr(context, "dp_pg", None)
+
+    # Every rank parses the spec (no shard reads), so a bad spec fails on every rank, not only where data is read.
+    parsed = spec if isinstance(spec, DatasetSpec) else load_spec(spec)
+    seq_length = parsed.seq_length
+    if sequence_length is not None and check_int("sequence_length", sequence_length, 1, where) != seq_length:
+        raise StatefulsetError(
+            f"{where}: sequence_length {sequence_length} (the trainer's tokens.sequence_length) differs from the "
+            f"spec's seq_length {seq_length} ({parsed.source})"
+        )
+    if seq_length % layout.cp:
+        raise StatefulsetError(
+            f"{where}: the spec's seq_length {seq_length} is not divisible by cp {layout.cp} "
+            f"({parsed.source}; Nanotron's collator needs equal context-parallel slices)"
+        )
+
+    needs_link = input_pp_rank != output_pp_rank
+    group = None
+    if needs_link:
+        if not distributed:
+            raise StatefulsetError(
+                f"{where}: input_pp_rank {input_pp_rank} != output_pp_rank {output_pp_rank} needs torch.distributed "
+                "(labels travel from the input stage to the output stage), which is not initialised"
+            )
+        group = link_group if link_group is not None else _link_group(layout)
+
+    loader = None
+    link = None
+    pipeline = info.pp_group_ranks
+    if info.pp_rank == input_pp_rank and not errors:
+        try:
+            wc = WorkerConfig(
+                rank=info.dp_rank,
+                world_size=info.dp_size,
+                num_workers=check_int("num_workers", num_workers, 0, where),
+                data_parallel_group=data_parallel_group,
+                seed_offset=seed_offset,
+            )
+            dataset = get_train_dataset(parsed, batch_size=micro_batch_size, worker_config=wc)
+            loader = get_savable_loader(dataset, **loader_options)
+            if consumed:
+                loader.restore_consumed_samples(consumed)
+        except StatefulsetError as error:
+            errors.append(f"rank {rank}: {error}")
+    if distributed:
+        # Only input stages open shards: without this, a corrupt shard would leave the output
+        # stage waiting for labels until the gloo timeout instead of failing with the reason.
+        raise_on_every_rank(errors)
+    elif errors:
+        raise StatefulsetError(errors[0])
+    specs = (
+        TensorSpec("text", (micro_batch_size, seq_length + 1), torch.int64),
+        TensorSpec("sample_id", (micro_batch_size,), torch.int64),
+    )
+    if needs_link and info.pp_rank == input_pp_rank:
+        link = StageLink(pipeline[output_pp_rank], specs, group=group, depth=depth)
+    elif needs_link and info.pp_rank == output_pp_rank:
+        link = StageLink(pipeline[input_pp_rank], specs, group=group, depth=depth)
+    return NanotronDataLoader(
+        info,
+        micro_batch_size=micro_batch_size,
+        sequence_length=seq_length,
+        n_micro_batches_per_batch=n_micro,
+        consumed_train_samples=consumed,
+        input_pp_rank=input_pp_rank,
+        output_pp_rank=output_pp_rank,
+        cp_size=layout.cp,
+        loader=loader,
+        link=link,
+        include_sample_id=bool(include_sample_id),
+    )

@@ -1,0 +1,175 @@
+"""``get_train_dataset`` / ``get_val_dataset``: a spec's stream cut into this rank's micro-batches.
+
+Same names and keywords as Megatron-Energon. Keywords that exist for Energon's sequential
+webdataset reading (``shuffle_buffer_size``, ``max_samples_per_sequence``, ``packing_buffer_size``,
+``virtual_epoch_length``, ``shuffle_over_epochs_multiplier``) are accepted and ignored: samples
+here are read by random access from a stream that is already globally shuffled, so there is no
+buffer to fill and no sequential run to cut.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import numpy
+
+from statefulset.errors import StatefulsetError
+from statefulset.loading.state import Cursor
+from statefulset.loading.worker_config import WorkerConfig
+from statefulset.spec.model import DatasetSpec
+from statefulset.streams.base import SampleStream
+from statefulset.streams.opening import open_stream
+from statefulset.streams.provenance import Provenance
+
+_SPLIT_NAMES = {"train": "train", "val": "valid", "valid": "valid", "validation": "valid", "test": "test"}
+
+
+class StreamDataset:
+    """A split's stream with this rank's layout: what ``get_savable_loader`` turns into batches."""
+
+    def __init__(
+        self, stream: SampleStream, batch_size: int, worker_config: WorkerConfig, repeat: bool, limit: int | None = None
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise StatefulsetError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.stream = stream
+        self.batch_size = batch_size
+        self.worker_config = worker_config
+        self.repeat = repeat
+        self.limit = limit
+
+    @property
+    def split(self) -> str:
+        return self.stream.split
+
+    def layout(self, base: int = 0, batches: int = 0) -> Cursor:
+        wc = self.worker_config
+        return Cursor(base, batches, wc.rank, wc.world_size, self.batch_size)
+
+    def stop_batch(self, cursor: Cursor) -> int | None:
+        """First batch index (from ``cursor.base``) that is not served, or None for an endless stream.
+
+        Without repeat only whole global batches are served, so every rank gets the same count
+        (a rank with one batch more would hang the others' collectives).
+        """
+        if self.repeat:
+            return None
+        global_batch = cursor.dp_size * cursor.batch_size
+        end = len(self.stream)
+        stop = max(0, (end - cursor.base) // global_batch)
+        return stop if self.limit is None else min(stop, self.limit)
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        """``{"text": int64 [seq_length + 1], "sample_id": p}``: the sample the loader puts at global position ``p``.
+
+        A pure function of the spec and ``p``, the same in every process, worker and rank. A finite
+        (megatron) stream that repeats reads position ``p`` as ``p % len(stream)``, as the loader does.
+        """
+        if isinstance(position, bool) or not isinstance(position, int | numpy.integer):
+            raise TypeError(f"dataset positions are ints, not {type(position).__name__}")
+        p = int(position)
+        return {"text": self.stream[self._read_position(p)]["text"], "sample_id": p}
+
+    def _read_position(self, p: int) -> int:
+        return p % len(self.stream) if self.repeat and not self.stream.unbounded and p >= 0 else p
+
+    def explain(self, position: int, tokenizer: Any = None) -> Provenance:
+        """Where ``self[position]`` came from: split, source prefix, epoch and the pieces of sequences it was cut from.
+
+        ``tokenizer`` (``"bytes"``, a tokenizer.json path, or an object with ``decode``) adds each
+        piece's decoded text. O(1) per sample; see docs/provenance.md for every field.
+        """
+        if isinstance(position, bool) or not isinstance(position, int | numpy.integer):
+            raise TypeError(f"dataset positions are ints, not {type(position).__name__}")
+        p = int(position)
+        read = self._read_position(p)
+        found = self.stream.explain(read, tokenizer)
+        return replace(found, position=p, wrap=(p - read) // len(self.stream) if read != p else 0)
+
+    def __len__(self) -> int:
+        """Micro-batches per rank in one pass over the stream."""
+        count = len(self.stream) // (self.worker_config.world_size * self.batch_size)
+        return count if self.limit is None else min(count, self.limit)
+
+    def __repr__(self) -> str:
+        wc = self.worker_config
+        return (
+            f"StreamDataset({self.stream!r}, batch_size={self.batch_size}, dp_rank={wc.rank}/{wc.world_size}, "
+            f"num_workers={wc.num_workers}, repeat={self.repeat})"
+        )
+
+
+def _split(name: str) -> str:
+    try:
+        return _SPLIT_NAMES[name]
+    except KeyError:
+        raise StatefulsetError(f"split_part must be one of {sorted(_SPLIT_NAMES)}, got {name!r}") from None
+
+
+def get_train_dataset(
+    path: str | os.PathLike[str] | Mapping[str, Any] | DatasetSpec,
+    *,
+    split_part: str = "train",
+    worker_config: WorkerConfig | None = None,
+    batch_size: int,
+    batch_drop_last: bool = False,
+    packing_buffer_size: int | None = None,
+    shuffle_buffer_size: int | None = None,
+    max_samples_per_sequence: int | None = None,
+    virtual_epoch_length: int = 0,
+    shuffle_over_epochs_multiplier: int | None = 1,
+    task_encoder: Any = None,
+    repeat: bool = True,
+    **kwargs: Any,
+) -> StreamDataset:
+    """The training stream of a YAML spec (path, mapping or ``DatasetSpec``) for this rank; repeats by default."""
+    _refuse_unknown(kwargs)
+    _refuse_task_encoder(task_encoder, batch_drop_last)
+    wc = worker_config if worker_config is not None else WorkerConfig.default_worker_config()
+    return StreamDataset(open_stream(path, _split(split_part)), batch_size, wc, repeat=repeat)
+
+
+def get_val_dataset(
+    path: str | os.PathLike[str] | Mapping[str, Any] | DatasetSpec,
+    *,
+    split_part: str = "val",
+    worker_config: WorkerConfig | None = None,
+    batch_size: int,
+    batch_drop_last: bool = False,
+    packing_buffer_size: int | None = None,
+    limit: int | None = None,
+    task_encoder: Any = None,
+    **kwargs: Any,
+) -> StreamDataset:
+    """The validation stream for this rank: one pass, never repeats; ``limit`` caps the batches."""
+    _refuse_unknown(kwargs)
+    _refuse_task_encoder(task_encoder, batch_drop_last)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise StatefulsetError(f"limit must be a non-negative int or None, got {limit!r}")
+    wc = worker_config if worker_config is not None else WorkerConfig.default_worker_config()
+    return StreamDataset(open_stream(path, _split(split_part)), batch_size, wc, repeat=False, limit=limit)
+
+
+# Energon keywords that configure features this design has no use for; accepted so calls port unchanged.
+_IGNORED = {"split_config", "dataset_config", "parallel_shard_iters", "sample_type", "subflavors", "handler"}
+
+
+def _refuse_unknown(kwargs: dict[str, Any]) -> None:
+    unknown = sorted(set(kwargs) - _IGNORED)
+    if unknown:
+        raise StatefulsetError(f"unknown keyword argument(s): {', '.join(unknown)}")
+
+
+def _refuse_task_encoder(task_encoder: Any, batch_drop_last: Any) -> None:
+    """Energon runs encoders per sample on webdataset fields; skipping one silently would train on other data."""
+    if task_encoder is not None:
+        raise StatefulsetError(
+            f"task_encoder={type(task_encoder).__name__}: statefulset yields packed token batches "
+            "(batch['text'], int64 [batch_size, seq_length + 1]) and runs no task encoder; apply your "
+            "encoding to the batch, or use Energon for webdataset samples"
+        )
+    if batch_drop_last not in (False, True):
+        raise StatefulsetError(f"batch_drop_last must be a bool, got {batch_drop_last!r}")

@@ -1,0 +1,366 @@
+"""``get_savable_loader`` / ``get_loader``: micro-batches from worker processes, in order, savable at any step.
+
+Worker ``w`` of ``N`` builds batches ``t ≡ w (mod N)`` of this rank's layout, each with one
+batched ``stream.gather``; ``torch.utils.data.DataLoader`` delivers them round-robin, which is
+batch order. The main process counts the batches it hands to the trainer, so a save is that
+count plus the layout (:mod:`statefulset.loading.state`): it never counts prefetched batches, never asks
+a worker anything, and a restore is a seek (no replay), whatever the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from statefulset.errors import StatefulsetError, check_int
+from statefulset.index.native.keys import derive_key
+from statefulset.loading.datasets import StreamDataset
+from statefulset.loading.state import Cursor, fit_global_state, fit_rank_state, make_state
+from statefulset.loading.worker_config import WorkerConfig
+from statefulset.parallel.arrival import DEFAULT_TIMEOUT, check_timeout, meet
+from statefulset.streams.base import SampleStream
+
+
+class _Batches(IterableDataset):
+    """Batches ``start, start+1, ...`` (before ``stop``) of a cursor's layout, split over workers."""
+
+    def __init__(self, stream: SampleStream, cursor: Cursor, stop: int | None, wrap: int | None) -> None:
+        self.stream = stream
+        self.cursor = cursor
+        self.stop = stop
+        self.wrap = wrap
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        t = self.cursor.batches + worker
+        while self.stop is None or t < self.stop:
+            positions = self.cursor.positions(t)
+            read = positions % self.wrap if self.wrap else positions
+            # One buffer per batch (rows, then sample ids): a worker hands over one shared-memory
+            # tensor instead of two, which halves the receive cost that bounds multi-worker loading.
+            rows = positions.size * (self.stream.seq_length + 1)
+            packed = numpy.empty(rows + positions.size, dtype=numpy.int64)
+            self.stream.gather(read, out=packed[:rows].reshape(positions.size, -1))
+            packed[rows:] = positions
+            yield torch.from_numpy(packed)
+            t += workers
+
+
+def _unpack(packed: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
+    """Contiguous views of one batch buffer: ``text`` [B, S+1] and ``sample_id`` [B]."""
+    rows = packed.numel() - batch_size
+    return {"text": packed[:rows].view(batch_size, -1), "sample_id": packed[rows:]}
+
+
+def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]) -> DataLoader:
+    stream = dataset.stream
+    wrap = None if stream.unbounded or not dataset.repeat else len(stream)
+    workers = dataset.worker_config.num_workers
+    # Worker seeds come from our own generator: creating the iterator never draws from (or
+    # reseeds) the trainer's global torch RNG.
+    seed = derive_key(stream.spec.seed, dataset.worker_config.seed_offset, dataset.worker_config.rank) >> 1
+    return DataLoader(
+        _Batches(stream, cursor, dataset.stop_batch(cursor), wrap),
+        batch_size=None,
+        num_workers=workers,
+        pin_memory=options["pin_memory"],
+        prefetch_factor=options["prefetch_factor"] if workers else None,
+        persistent_workers=options["persistent_workers"] and workers > 0,
+        multiprocessing_context=options["multiprocessing_context"] if workers else None,
+        timeout=options["timeout"] if workers else 0,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def _options(
+    prefetch_factor: int = 2,
+    pin_memory: bool = False,
+    persistent_workers: bool = True,
+    multiprocessing_context: Any = None,
+    timeout: float = 0,
+) -> dict[str, Any]:
+    if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+        raise StatefulsetError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
+    return {
+        "prefetch_factor": prefetch_factor,
+        "pin_memory": bool(pin_memory),
+        "persistent_workers": bool(persistent_workers),
+        "multiprocessing_context": multiprocessing_context,
+        "timeout": timeout,
+    }
+
+
+class Loader:
+    """A non-savable loader (validation): every ``iter()`` is a fresh pass from the start."""
+
+    def __init__(self, dataset: StreamDataset, **options: Any) -> None:
+        self.dataset = dataset
+        self.worker_config = dataset.worker_config
+        self._loader = _data_loader(dataset, dataset.layout(), _options(**options))
+
+    def __iter__(self):
+        batch_size = self.dataset.batch_size
+        return (_unpack(packed, batch_size) for packed in self._loader)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class SavableLoader:
+    """Megatron-Energon's ``SavableDataLoader`` surface over a deterministic stream.
+
+    One persistent iterator: a second ``for`` loop continues where the first stopped.
+    ``collective_timeout``: seconds :meth:`save_state_global` / :meth:`restore_state_global` wait
+    for every DP rank to call them before raising a ``StatefulsetError`` that names the missing
+    ranks (default 300; None waits as long as the process group does).
+    """
+
+    def __init__(
+        self, dataset: StreamDataset, collective_timeout: float | None = DEFAULT_TIMEOUT, **options: Any
+    ) -> None:
+        self.dataset = dataset
+        self.worker_config = dataset.worker_config
+        self.collective_timeout = check_timeout(collective_timeout, "collective_timeout")
+        self._options = _options(**options)
+        self._cursor = dataset.layout()
+        self._taken = 0  # batches handed to the trainer since the cursor's batch
+        self._iterator: Any = None
+
+    # -- iteration ------------------------------------------------------------------------------
+    def __iter__(self) -> SavableLoader:
+        if self._iterator is None:
+            self._iterator = iter(_data_loader(self.dataset, self._cursor, self._options))
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._iterator is None:
+            iter(self)
+        batch = _unpack(next(self._iterator), self.dataset.batch_size)
+        self._taken += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def batches_taken(self) -> int:
+        """Micro-batches this rank has handed out since the start of the stream layout it runs in."""
+        return self._cursor.batches + self._taken
+
+    def _position(self) -> Cursor:
+        c = self._cursor
+        return Cursor(c.base, c.batches + self._taken, c.dp_rank, c.dp_size, c.batch_size)
+
+    # -- rank state -----------------------------------------------------------------------------
+    def save_state_rank(self) -> dict[str, Any]:
+        """This rank's state: plain data, a few hundred bytes; safe to call at any step."""
+        return make_state(self.dataset.stream.identity, self._position(), self.worker_config.num_workers)
+
+    def _restore(self, cursor: Cursor) -> None:
+        if self._iterator is not None:
+            raise StatefulsetError(
+                "restore_state_*: this loader has started iterating; restore into a fresh loader before iterating"
+            )
+        self._cursor = cursor
+        self._taken = 0
+
+    def restore_state_rank(self, state: dict[str, Any] | None) -> None:
+        """Continue exactly after the last batch the saving loader handed out. ``None`` does nothing."""
+        if state is None:
+            return
+        wc = self.worker_config
+        self._restore(
+            fit_rank_state(state, self.dataset.stream.identity, wc.rank, wc.world_size, self.dataset.batch_size)
+        )
+
+    # -- Megatron / Nanotron bookkeeping --------------------------------------------------------
+    @property
+    def consumed_samples(self) -> int:
+        """First global position no rank has taken, when every DP rank took as many batches as this one.
+
+        This is Megatron-LM's and Nanotron's ``consumed_train_samples`` after as many micro-batches.
+        """
+        return self._position().consumed
+
+    def restore_consumed_samples(self, consumed_samples: int) -> None:
+        """Start at global position ``consumed_samples``: Megatron's and Nanotron's resume from one integer.
+
+        Any DP size, batch size or worker count may resume from it, since it names the first
+        sample of the stream that no rank has trained on.
+        """
+        base = check_int("consumed_samples", consumed_samples, 0, "restore_consumed_samples", high=2**62 - 1)
+        self._restore(self.dataset.layout(base=base))
+
+    # -- global state ---------------------------------------------------------------------------
+    def _group_size(self) -> int:
+        return self.worker_config.world_size
+
+    def _distributed(self) -> bool:
+        if self._group_size() == 1:
+            return False
+        if not (dist.is_available() and dist.is_initialized()):
+            raise StatefulsetError(
+                f"WorkerConfig says world_size {self._group_size()} but torch.distributed is not initialised"
+            )
+        group = self.worker_config.data_parallel_group
+        if dist.get_world_size(group) != self._group_size() or dist.get_rank(group) != self.worker_config.rank:
+            raise StatefulsetError(
+                f"WorkerConfig rank {self.worker_config.rank} of {self._group_size()} does not match the "
+                f"data_parallel_group (rank {dist.get_rank(group)} of {dist.get_world_size(group)})"
+            )
+        return True
+
+    def save_state_global(self, global_dst_rank: int = 0) -> list[dict[str, Any]] | None:
+        """Collective over the DP group: the list of every DP rank's state on ``global_dst_rank``, None elsewhere."""
+        state = self.save_state_rank()
+        if not self._distributed():
+            return [state]
+        group = self.worker_config.data_parallel_group
+        try:
+            if group is None and not 0 <= global_dst_rank < dist.get_world_size():
+                raise ValueError(global_dst_rank)  # torch only notices inside gloo, killing the ranks
+            dist.get_group_rank(group if group is not None else dist.group.WORLD, global_dst_rank)
+        except (ValueError, RuntimeError):
+            raise StatefulsetError(
+                f"save_state_global: global rank {global_dst_rank} is not in this rank's data_parallel_group"
+            ) from None
+        meet("save_state_global", group, self.collective_timeout, f"global_dst_rank={global_dst_rank}")
+        gathered: list[Any] | None = [None] * self._group_size() if dist.get_rank() == global_dst_rank else None
+        dist.gather_object(state, gathered, dst=global_dst_rank, group=group)
+        return gathered
+
+    def restore_state_global(self, state: list[dict[str, Any]] | None, src_rank: int | None = None) -> None:
+        """Restore from every DP rank's states, also into another DP size, batch size or worker count.
+
+        ``src_rank=None``: every rank passes the whole list. Otherwise DP rank ``src_rank`` (within the
+        group) passes it and the others pass None; it is broadcast over the DP group.
+        """
+        wc = self.worker_config
+        if src_rank is not None:
+            if not 0 <= src_rank < wc.world_size:
+                raise StatefulsetError(
+                    f"restore_state_global: src_rank {src_rank} is outside the DP group of {wc.world_size}"
+                )
+            if wc.rank != src_rank and state is not None:
+                raise StatefulsetError(
+                    f"restore_state_global: DP rank {wc.rank} passed a state but src_rank is {src_rank}; pass None"
+                )
+            if self._distributed():
+                group = wc.data_parallel_group
+                source = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+                meet("restore_state_global", group, self.collective_timeout, f"src_rank={src_rank}")
+                box = [state if wc.rank == src_rank else None]
+                dist.broadcast_object_list(box, src=source, group=group)
+                state = box[0]
+        if state is None:
+            raise StatefulsetError(f"restore_state_global: DP rank {wc.rank} received no state")
+        identity = self.dataset.stream.identity
+        self._restore(fit_global_state(state, identity, wc.rank, wc.world_size, self.dataset.batch_size))
+
+    # -- torch.distributed.checkpoint (Stateful) ------------------------------------------------
+    def _key(self) -> str:
+        return f"dp_rank_{self.worker_config.rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-DP-rank key: DCP keeps one copy of each non-tensor key, so a shared key would keep rank 0's."""
+        return {"version": 1, "dp_world_size": self.worker_config.world_size, self._key(): self.save_state_rank()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if not isinstance(state_dict, dict) or state_dict.get("version") != 1:
+            raise StatefulsetError("load_state_dict: not a statefulset loader state_dict (version 1)")
+        saved = state_dict.get("dp_world_size")
+        if saved != self.worker_config.world_size:
+            raise StatefulsetError(
+                f"load_state_dict: saved with data-parallel size {saved}, this loader has "
+                f"{self.worker_config.world_size}; a changed DP size restores through save_state_global / "
+                "restore_state_global (all ranks' states are needed)"
+            )
+        if self._key() not in state_dict:
+            raise StatefulsetError(f"load_state_dict: key '{self._key()}' is missing")
+        self.restore_state_rank(state_dict[self._key()])
+
+    def __repr__(self) -> str:
+        return f"SavableLoader({self.dataset!r}, batches_taken={self.batches_taken})"
+
+
+def _check_config(dataset: StreamDataset, worker_config: WorkerConfig | None) -> None:
+    if not isinstance(dataset, StreamDataset):
+        raise StatefulsetError(
+            f"expected a dataset from get_train_dataset/get_val_dataset, got {type(dataset).__name__}"
+        )
+    if worker_config is not None and worker_config != dataset.worker_config:
+        raise StatefulsetError("worker_config differs from the one the dataset was built with")
+
+
+def get_savable_loader(
+    dataset: StreamDataset,
+    *,
+    worker_config: WorkerConfig | None = None,
+    checkpoint_every_sec: float = 60,
+    checkpoint_every_min_n_samples: int | None = None,
+    n_checkpoints: int | None = None,
+    gc_collect_every_n_steps: int = 10,
+    prefetch_factor: int = 2,
+    cache_pool: Any = None,
+    watchdog_timeout_seconds: float | None = 60,
+    watchdog_initial_timeout_seconds: float | None = None,
+    fail_on_timeout: bool = False,
+    pin_memory: bool = False,
+    persistent_workers: bool = True,
+    multiprocessing_context: Any = None,
+    timeout: float = 0,
+    collective_timeout: float | None = DEFAULT_TIMEOUT,
+) -> SavableLoader:
+    """A loader whose state saves and restores exactly (Energon's signature).
+
+    The checkpoint_* / n_checkpoints / gc / watchdog keywords exist because Energon replays from
+    periodic worker snapshots; a state here is a cursor, so they have nothing to tune.
+    ``collective_timeout`` bounds the wait of ``save_state_global`` / ``restore_state_global`` for
+    the other DP ranks (seconds, default 300; see :class:`SavableLoader`).
+    """
+    _check_config(dataset, worker_config)
+    return SavableLoader(
+        dataset,
+        collective_timeout=collective_timeout,
+        prefetch_factor=prefetch_factor,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        multiprocessing_context=multiprocessing_context,
+        timeout=timeout,
+    )
+
+
+def get_loader(
+    dataset: StreamDataset,
+    *,
+    worker_config: WorkerConfig | None = None,
+    prefetch_factor: int = 2,
+    cache_pool: Any = None,
+    watchdog_timeout_seconds: float | None = 60,
+    watchdog_initial_timeout_seconds: float | None = None,
+    fail_on_timeout: bool = False,
+    pin_memory: bool = False,
+    persistent_workers: bool = True,
+    multiprocessing_context: Any = None,
+    timeout: float = 0,
+) -> Loader:
+    """A plain loader (validation): not savable, each pass starts at the beginning."""
+    _check_config(dataset, worker_config)
+    return Loader(
+        dataset,
+        prefetch_factor=prefetch_factor,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        multiprocessing_context=multiprocessing_context,
+        timeout=timeout,
+    )
+
+
+__all__ = ["Loader", "SavableLoader", "get_loader", "get_savable_loader"]

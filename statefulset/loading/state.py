@@ -1,0 +1,212 @@
+"""The loader state: a cursor into the stream layout, as plain, versioned, self-checking data.
+
+Layout (Megatron's pretraining sampler): a loader on DP rank ``r`` of ``W`` with micro-batch
+size ``B`` gives, as its ``t``-th batch, the samples at global positions
+``base + (t·W + r)·B + j`` for ``j < B``. So a rank's whole state is ``batches`` (how many
+batches the trainer took) plus the layout it was taken under; workers, prefetching and pinned
+buffers never enter it. When every rank took the same number of batches, positions below
+``base + batches·W·B`` are consumed and none above, which is what lets a state restore into
+another DP size, batch size or worker count: the new layout starts at that position.
+
+A state is a dict of ints and strings, well under 1 KB, that ``torch.load(weights_only=True)``,
+JSON and msgpack (:func:`encode` / :func:`decode`) all carry. Every field of an untrusted state
+is checked before use; anything that does not fit raises ``StatefulsetError`` naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy
+
+from statefulset.errors import StatefulsetError
+
+FORMAT = "statefulset.loader"
+VERSION = 1
+
+_IDENTITY_KEYS = {
+    "packing": str,
+    "split": str,
+    "split_ratios": (str, type(None)),
+    "seq_length": int,
+    "seed": int,
+    "num_samples": (int, type(None)),
+    "data": str,
+}
+_INT_KEYS = ("dp_rank", "dp_size", "batch_size", "base", "batches", "num_workers")
+_KEYS = {"format", "version", "identity", *_INT_KEYS}
+_MAX_POSITION = 2**62  # positions stay far inside int64 whatever the arithmetic
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a rank's loader is in the stream layout."""
+
+    base: int
+    batches: int
+    dp_rank: int
+    dp_size: int
+    batch_size: int
+
+    def positions(self, t: int) -> numpy.ndarray:
+        """Global positions of this rank's batch ``t`` (counted from ``base``)."""
+        first = self.base + (t * self.dp_size + self.dp_rank) * self.batch_size
+        return numpy.arange(first, first + self.batch_size, dtype=numpy.int64)
+
+    @property
+    def consumed(self) -> int:
+        """First global position not consumed, when every rank took ``batches`` batches."""
+        return self.base + self.batches * self.dp_size * self.batch_size
+
+
+def make_state(identity: dict[str, Any], cursor: Cursor, num_workers: int) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "identity": dict(identity),
+        "dp_rank": cursor.dp_rank,
+        "dp_size": cursor.dp_size,
+        "batch_size": cursor.batch_size,
+        "base": cursor.base,
+        "batches": cursor.batches,
+        "num_workers": num_workers,
+    }
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_state(state: Any, where: str = "state") -> dict[str, Any]:
+    """Validate the structure of an untrusted state; return it unchanged."""
+    if not isinstance(state, dict):
+        raise StatefulsetError(f"{where}: a loader state is a dict, got {type(state).__name__}")
+    if state.get("format") != FORMAT:
+        raise StatefulsetError(f"{where}: not a statefulset loader state (format {state.get('format')!r})")
+    version = state.get("version")
+    if not _is_int(version) or version < 1:
+        raise StatefulsetError(f"{where}: field 'version' must be a positive int, got {version!r}")
+    if version > VERSION:
+        raise StatefulsetError(
+            f"{where}: state format version {version} is newer than this statefulset understands ({VERSION}); "
+            "upgrade statefulset"
+        )
+    unknown = sorted(set(state) - _KEYS, key=str)
+    missing = sorted(_KEYS - set(state))
+    if unknown or missing:
+        parts = ([f"unknown field(s) {unknown}"] if unknown else []) + ([f"missing {missing}"] if missing else [])
+        raise StatefulsetError(f"{where}: " + ", ".join(parts))
+    for key in _INT_KEYS:
+        value = state[key]
+        if not _is_int(value) or not 0 <= value < _MAX_POSITION:
+            raise StatefulsetError(f"{where}: field '{key}' must be a non-negative int, got {value!r}")
+    if state["dp_size"] < 1 or state["batch_size"] < 1:
+        raise StatefulsetError(f"{where}: dp_size and batch_size must be positive")
+    if state["dp_rank"] >= state["dp_size"]:
+        raise StatefulsetError(f"{where}: dp_rank {state['dp_rank']} is outside dp_size {state['dp_size']}")
+    cursor = Cursor(state["base"], state["batches"], state["dp_rank"], state["dp_size"], state["batch_size"])
+    if cursor.consumed + cursor.dp_size * cursor.batch_size >= _MAX_POSITION:
+        raise StatefulsetError(f"{where}: position {cursor.consumed} is out of range")
+    identity = state["identity"]
+    if not isinstance(identity, dict) or set(identity) != set(_IDENTITY_KEYS):
+        raise StatefulsetError(f"{where}: field 'identity' must hold {sorted(_IDENTITY_KEYS)}")
+    for key, kind in _IDENTITY_KEYS.items():
+        value = identity[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise StatefulsetError(f"{where}: field 'identity.{key}' has the wrong type ({type(value).__name__})")
+    return state
+
+
+def cursor_of(state: dict[str, Any]) -> Cursor:
+    return Cursor(state["base"], state["batches"], state["dp_rank"], state["dp_size"], state["batch_size"])
+
+
+def check_identity(state: dict[str, Any], identity: dict[str, Any], where: str) -> None:
+    """Refuse a state taken on other data, naming every field that differs."""
+    saved = state["identity"]
+    differs = [key for key in _IDENTITY_KEYS if saved.get(key) != identity.get(key)]
+    if differs:
+        details = "; ".join(
+            f"{key}: state has {saved.get(key)!r}, this loader {identity.get(key)!r}"
+            if key != "data"
+            else "data: the shards, their split ranges or weights differ"
+            for key in differs
+        )
+        raise StatefulsetError(f"{where}: the state does not fit this dataset ({details})")
+
+
+def fit_rank_state(state: Any, identity: dict[str, Any], dp_rank: int, dp_size: int, batch_size: int) -> Cursor:
+    """The cursor to resume from a state saved by this very DP rank, in the same layout."""
+    where = f"state for DP rank {dp_rank}"
+    check_state(state, where)
+    check_identity(state, identity, where)
+    if state["dp_size"] != dp_size or state["dp_rank"] != dp_rank:
+        raise StatefulsetError(
+            f"{where}: the state was saved by DP rank {state['dp_rank']} of {state['dp_size']}, this loader is "
+            f"DP rank {dp_rank} of {dp_size}; restore a changed DP layout with restore_state_global"
+        )
+    if state["batch_size"] != batch_size:
+        raise StatefulsetError(
+            f"{where}: batch_size differs (state {state['batch_size']}, loader {batch_size}); "
+            "restore a changed batch size with restore_state_global"
+        )
+    return cursor_of(state)
+
+
+def fit_global_state(states: Any, identity: dict[str, Any], dp_rank: int, dp_size: int, batch_size: int) -> Cursor:
+    """The cursor for this rank from the states of every DP rank, possibly saved in another layout."""
+    if not isinstance(states, list | tuple):
+        raise StatefulsetError(f"global state: expected the list of every DP rank's state, got {type(states).__name__}")
+    if not states:
+        raise StatefulsetError("global state: the list of DP rank states is empty (one per rank expected)")
+    for i, state in enumerate(states):
+        check_state(state, f"global state, entry {i}")
+        check_identity(state, identity, f"global state, entry {i}")
+        if state["dp_rank"] != i or state["dp_size"] != len(states):
+            raise StatefulsetError(
+                f"global state, entry {i}: saved by DP rank {state['dp_rank']} of {state['dp_size']}, "
+                f"but the list holds {len(states)} states (one per DP rank, in DP-rank order)"
+            )
+    first = states[0]
+    for i, state in enumerate(states[1:], start=1):
+        for key in ("batch_size", "base"):
+            if state[key] != first[key]:
+                raise StatefulsetError(f"global state: {key} of DP rank {i} ({state[key]}) differs from rank 0's")
+    if len(states) == dp_size and first["batch_size"] == batch_size:
+        return cursor_of(states[dp_rank])  # same layout: every rank resumes exactly where it was
+    taken = [s["batches"] for s in states]
+    if len(set(taken)) > 1:
+        detail = ", ".join(f"rank {i}: {n}" for i, n in enumerate(taken))
+        raise StatefulsetError(
+            "global state: ranks consumed different numbers of batches "
+            f"({detail}); a changed DP size or batch size needs a state where every rank took the same number"
+        )
+    consumed = cursor_of(first).consumed
+    return Cursor(consumed, 0, dp_rank, dp_size, batch_size)
+
+
+# -- msgpack codec for users who store states outside torch ---------------------------------------
+def encode(state: dict[str, Any]) -> bytes:
+    """A state (rank or global list) as msgpack bytes."""
+    return msgpack.packb(state, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """Bytes from :func:`encode` back to the state; damaged bytes raise ``StatefulsetError``."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise StatefulsetError(f"state bytes expected, got {type(data).__name__}")
+    if len(data) > 1 << 20:
+        raise StatefulsetError(f"state bytes: {len(data)} bytes is far more than any loader state")
+    try:
+        value = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        detail = str(exc) or type(exc).__name__
+        raise StatefulsetError(f"state bytes ({len(data)} bytes) are not a msgpack state: {detail}") from None
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            check_state(item, f"decoded global state, entry {i}")
+    else:
+        check_state(value, "decoded state")
+    return value

@@ -1,0 +1,3 @@
+"""Megatron bin/idx shards: the ``.idx`` format, storage (local mmap or fsspec), the reader, the writer,
+merging, direct I/O, temporaries of killed writers, file-version facts and content digests.
+"""

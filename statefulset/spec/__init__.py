@@ -1,0 +1,1 @@
+"""The dataset spec: the YAML/dict model with its validation (``model``) and split strings (``splits``)."""

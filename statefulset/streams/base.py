@@ -1,0 +1,118 @@
+"""What every sample stream is: packed samples of ``seq_length + 1`` tokens at integer positions.
+
+``stream[p]`` is a pure function of (spec, p). ``stream.gather(positions)`` is the hot path:
+``[B, seq_length + 1]`` int64 assembled with one vectorised plan of token ranges per source and
+one copy per range. Each packing is a module of its own (:mod:`statefulset.streams.megatron`,
+:mod:`statefulset.streams.native`); :mod:`statefulset.streams.opening` opens a spec into one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+
+from statefulset.errors import SequenceIndexError, StatefulsetError
+from statefulset.shards.reader import IndexedDataset
+from statefulset.spec.model import DatasetSpec
+from statefulset.streams.provenance import Provenance, explain
+
+# Megatron's add_extra_token_to_sequence: a sample holds seq_length + 1 tokens.
+EXTRA = 1
+# Batches up to this many samples are planned on Python ints, larger gathers with numpy.
+_LIST_PLAN_MAX_SAMPLES = 64
+_THIS_AND_NEXT = numpy.array([0, 1], dtype=numpy.int64)
+
+
+class SampleStream:
+    """Packed samples of ``seq_length + 1`` tokens at integer positions."""
+
+    def __init__(self, spec: DatasetSpec, split: str, identity: dict[str, Any], length: int, unbounded: bool) -> None:
+        self.spec = spec
+        self.split = split
+        self.seq_length = spec.seq_length
+        self.packing = spec.packing
+        # What the samples depend on, field by field (so a state that does not fit can say which);
+        # "data" digests every source's .idx content, split range and weight.
+        self.identity = identity
+        self.fingerprint = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
+        self._length = length
+        self.unbounded = unbounded  # native: every p >= 0 is a sample; megatron: p < len(stream)
+        self.open_seconds: float | None = None  # how long open_stream took, and the indices it built
+        self.open_built: dict[str, int] = {}
+        # How a worker process reopens this stream (streams.opening sets it; a base class cannot
+        # import the module that opens its subclasses).
+        self.reopen: Any = None
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Workers started with spawn/forkserver reopen the stream (cached indices are mmapped)
+        # instead of receiving pickled index arrays.
+        return (self.reopen, (self.spec, self.split))
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        try:
+            p = int(position)
+        except TypeError:
+            raise TypeError(f"stream positions are ints, not {type(position).__name__}") from None
+        return {"text": self.gather(numpy.array([p], dtype=numpy.int64))[0], "sample_id": p}
+
+    def explain(self, position: int, tokenizer: Any = None) -> Provenance:
+        """Where ``self[position]`` came from: split, source, epoch, the pieces it was cut from (docs/provenance.md)."""
+        return explain(self, position, tokenizer)
+
+    def gather(self, positions: Any, out: numpy.ndarray | None = None) -> numpy.ndarray:
+        """The samples at ``positions`` as one int64 array ``[len(positions), seq_length + 1]``."""
+        p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
+        if p.size and (int(p.min()) < 0 or (not self.unbounded and int(p.max()) >= self._length)):
+            bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
+            raise SequenceIndexError(
+                f"{self.split} stream: position {bad} is outside [0, {self._length})"
+                + ("" if self.unbounded else " (megatron packing builds a finite stream; raise num_samples)")
+            )
+        width = self.seq_length + EXTRA
+        if out is None:
+            out = numpy.empty((p.size, width), dtype=numpy.int64)
+        elif out.shape != (p.size, width) or out.dtype != numpy.int64 or not out.flags.c_contiguous:
+            raise StatefulsetError(f"gather: out must be C-contiguous int64 {(p.size, width)}, got {out.shape}")
+        if p.size:
+            self._fill(p, out)
+        return out
+
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        size = "unbounded" if self.unbounded else f"{self._length} samples"
+        return f"{type(self).__name__}({self.split}, seq_length={self.seq_length}, {size})"
+
+
+def _fill_by_source(which: numpy.ndarray, local: numpy.ndarray, out: numpy.ndarray, sources: list[Any]) -> None:
+    """Rows of ``out`` from several sources: each source gathers its rows in one call."""
+    present = sorted(set(which.tolist()))  # not numpy.unique: its first call imports numpy.ma (~7 ms)
+    if len(present) == 1:
+        sources[present[0]].fill(local, out)
+        return
+    for d in present:
+        rows = numpy.flatnonzero(which == d)
+        block = numpy.empty((rows.size, out.shape[1]), dtype=numpy.int64)
+        sources[d].fill(local[rows], block)
+        out[rows] = block
+
+
+@dataclass(frozen=True)
+class OpenedSources:
+    """A split's sources, opened and identified: what a packing builds its stream from."""
+
+    live: list[tuple[str, float | None]]  # (prefix, weight) of every source with a positive weight
+    weighted: bool
+    per_split: bool  # the spec gives each split its own prefixes (no split ratios)
+    num_samples: int | None
+    datasets: list[IndexedDataset]
+    ranges: list[tuple[int, int]]  # each source's sequences in this split
+    digests: list[str]  # each source's .idx content digest

@@ -1,0 +1,226 @@
+"""``packing: megatron``: megatron-core 0.16's GPTDataset, or BlendedDataset over GPTDatasets, sample for sample.
+
+Indices come from :mod:`statefulset.index.megatron` and are kept in the content-keyed
+:mod:`statefulset.index.cache`. The stream has ``len(stream)`` samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from statefulset.errors import StatefulsetError
+from statefulset.index.cache import IndexCache
+from statefulset.index.megatron import blend as blending
+from statefulset.index.megatron.gpt import build_gpt_indices, warn_if_sample_exceeds_split
+from statefulset.shards.reader import IndexedDataset
+from statefulset.spec.model import DatasetSpec
+from statefulset.streams.base import EXTRA, OpenedSources, SampleStream, _fill_by_source
+
+# Batches up to this many samples are planned on Python ints, larger gathers with numpy.
+_LIST_PLAN_MAX_SAMPLES = 64
+_THIS_AND_NEXT = numpy.array([0, 1], dtype=numpy.int64)
+
+
+class GPTSource:
+    """One megatron-core GPTDataset: a prefix's split with its three index arrays."""
+
+    def __init__(
+        self,
+        dataset: IndexedDataset,
+        arrays: dict[str, numpy.ndarray],
+        seq_length: int,
+        sequence_range: tuple[int, int] | None = None,
+        num_samples: int | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.sequence_range = sequence_range if sequence_range is not None else (0, len(dataset))
+        self.num_samples = num_samples  # what the index was built for (None: one epoch)
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        self.seq_length = seq_length
+        self._lengths = dataset.sequence_lengths
+        # Byte pointers stay in the mapped .idx; dividing them all at open would hold 8 bytes per
+        # sequence in every process (8 GB for 10^9 sequences) and cost milliseconds per open.
+        self._pointers = dataset.sequence_pointers
+        self._itemsize = dataset.dtype.itemsize
+
+    def _first_tokens(self, seq: numpy.ndarray) -> numpy.ndarray:
+        """Token offset in the ``.bin`` of each sequence in ``seq``."""
+        return self._pointers[seq] // self._itemsize
+
+    def __len__(self) -> int:
+        return int(self.sample_index.shape[0]) - 1
+
+    def fill(self, local: numpy.ndarray, out: numpy.ndarray) -> None:
+        k = self.shuffle_index[local].astype(numpy.int64)
+        if k.size > _LIST_PLAN_MAX_SAMPLES:
+            self._fill_vectorised(k, out)
+            return
+        # A batch: rows k and k+1 of sample_index in one lookup, then a plan on Python ints (numpy's
+        # per-call overhead would dominate for a few samples). Sample b is the pieces
+        # document_index[first_b .. last_b]: the first starts at the sample's offset, the last ends
+        # one token past the next sample's offset (the shared token).
+        bounds = self.sample_index[k[:, None] + _THIS_AND_NEXT].reshape(-1, 4).tolist()
+        documents = self.document_index
+        seq = numpy.concatenate([documents[first : last + 1] for first, _, last, _ in bounds])
+        starts = self._first_tokens(seq).tolist()
+        lengths = self._lengths[seq].tolist()
+        at = 0
+        for first, offset, last, end in bounds:
+            final = at + last - first
+            starts[at] += offset
+            if final == at:
+                lengths[at] = end + EXTRA - offset
+            else:
+                lengths[at] -= offset
+                lengths[final] = end + EXTRA
+            at = final + 1
+        self.dataset.gather(starts, lengths, out.reshape(-1))
+
+    def _fill_vectorised(self, k: numpy.ndarray, out: numpy.ndarray) -> None:
+        begin = self.sample_index[k].astype(numpy.int64)
+        end = self.sample_index[k + 1].astype(numpy.int64)
+        pieces = end[:, 0] - begin[:, 0] + 1
+        if int(pieces.max()) == 1:  # every sample inside one sequence: no expansion needed
+            seq = self.document_index[begin[:, 0]]
+            starts = self._first_tokens(seq) + begin[:, 1]
+            lengths = end[:, 1] + EXTRA - begin[:, 1]
+        else:
+            # Piece r of sample b is document_index[begin_b + r]; the first starts at the sample's
+            # offset, the last ends one token past the next sample's offset (the shared token).
+            total = int(pieces.sum())
+            first_piece = numpy.cumsum(pieces) - pieces
+            rel = numpy.arange(total, dtype=numpy.int64) - numpy.repeat(first_piece, pieces)
+            row = numpy.repeat(begin[:, 0], pieces) + rel
+            seq = self.document_index[row]
+            lo = numpy.where(rel == 0, numpy.repeat(begin[:, 1], pieces), 0)
+            last = row == numpy.repeat(end[:, 0], pieces)
+            hi = numpy.where(last, numpy.repeat(end[:, 1] + EXTRA, pieces), self._lengths[seq])
+            starts = self._first_tokens(seq) + lo
+            lengths = hi - lo
+        self.dataset.gather(starts, lengths, out.reshape(-1))
+
+
+class MegatronStream(SampleStream):
+    """GPTDataset, or BlendedDataset over GPTDatasets, exactly as megatron-core 0.16 builds them."""
+
+    def __init__(self, spec, split, identity, sources: list[GPTSource], blend: dict[str, numpy.ndarray] | None):
+        length = len(sources[0]) if blend is None else int(blend["dataset_index"].shape[0])
+        super().__init__(spec, split, identity, length, unbounded=False)
+        self.sources = sources
+        self.blend = blend
+        self.blend_counts: numpy.ndarray | None = None  # samples the blend draws from each source
+
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+        if self.blend is None:
+            self.sources[0].fill(positions, out)
+            return
+        which = self.blend["dataset_index"][positions].astype(numpy.int64)
+        local = self.blend["dataset_sample_index"][positions].astype(numpy.int64)
+        _fill_by_source(which, local, out, self.sources)
+
+
+def open_megatron(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> MegatronStream:
+    """GPTDataset indices of each source (built, or loaded from the content-keyed cache), blended as megatron-core."""
+    live, weighted, per_split, num_samples = opened.live, opened.weighted, opened.per_split, opened.num_samples
+    datasets, ranges, digests = opened.datasets, opened.ranges, opened.digests
+    data_key = spec.data_key(split)
+    cache = IndexCache(spec.path_to_cache)
+
+    def gpt(i: int, samples: int | None) -> tuple[GPTSource, dict[str, Any]]:
+        ds, (lo, hi) = datasets[i], ranges[i]
+        begin, end = ds.token_span(lo, hi)
+        warn_if_sample_exceeds_split(ds.path_prefix, split, end - begin, spec.seq_length, EXTRA)
+        description = {
+            "kind": "GPTDataset",
+            "megatron_core": "0.16",
+            "idx_digest": digests[i],
+            "sequences": [lo, hi],
+            "seed": spec.seed,
+            "seq_length": spec.seq_length,
+            "num_samples": samples,
+            "extra_token": EXTRA,
+            "drop_last_partial": True,
+        }
+
+        def build() -> dict[str, numpy.ndarray]:
+            with spec.blame(data_key):
+                indices = build_gpt_indices(
+                    ds.sequence_lengths,
+                    numpy.arange(lo, hi, dtype=numpy.int32),
+                    spec.seq_length,
+                    spec.seed,
+                    samples,
+                    where=ds.path_prefix,
+                )
+            return {
+                "document_index": indices.document_index,
+                "sample_index": indices.sample_index,
+                "shuffle_index": indices.shuffle_index,
+            }
+
+        try:
+            with spec.blame("path_to_cache"):
+                arrays = cache.get_or_build("GPTDataset", description, build)
+        except (MemoryError, ValueError, OverflowError) as exc:  # numpy's refusals of a huge index
+            raise spec.error(
+                num_samples_key, f"cannot build the {split} index of {ds.path_prefix} for {samples} samples: {exc}"
+            ) from exc
+        return GPTSource(ds, arrays, spec.seq_length, (lo, hi), samples), description
+
+    num_samples_key = spec.num_samples_key(split)
+    if len(live) == 1 and (not weighted or per_split):
+        # megatron-core builds a lone GPTDataset here, with no surplus and no blend.
+        stream = MegatronStream(spec, split, identity, [gpt(0, num_samples)[0]], None)
+        if len(stream) == 0 and split == "train":
+            raise _no_sample(spec)
+        return stream
+    if weighted and num_samples is None:
+        if split == "train":
+            raise spec.error(
+                num_samples_key,
+                "a weighted blend with packing: megatron needs num_samples "
+                "(megatron-core sizes each part of the blend from it); set it, or use packing: native",
+            )
+        weighted = False  # valid/test without a size: every source once, blended by size
+    plan = blending.plan_blend([w for _, w in live] if weighted else None, num_samples, count=len(live))
+    built = [gpt(i, plan.build_sizes[i]) for i in range(len(live))]
+    sources = [source for source, _ in built]
+    if not any(len(s) for s in sources) and (split == "train" or num_samples is not None):
+        raise _no_sample(spec, split)  # blending nothing would divide by zero
+    weights, size = plan.blend_weights([len(s) for s in sources])
+    description = {
+        "kind": "BlendedDataset",
+        "datasets": [d for _, d in built],
+        "weights": weights,
+        "size": size,
+    }
+
+    def build_blend() -> dict[str, numpy.ndarray]:
+        with spec.blame(num_samples_key):
+            return blending.blend_indices(weights, size)
+
+    with spec.blame("path_to_cache"):
+        arrays = cache.get_or_build("BlendedDataset", description, build_blend)
+    with spec.blame(num_samples_key):
+        counts = blending.check_budgets(arrays["dataset_index"], [len(s) for s in sources], [p for p, _ in live], split)
+    stream = MegatronStream(spec, split, identity, sources, arrays)
+    stream.blend_counts = counts  # samples drawn from each source: realised shares without another pass
+    return stream
+
+
+def _no_sample(spec: DatasetSpec, split: str = "train") -> StatefulsetError:
+    """A train stream without samples would fail at the first batch, far from its cause; say it at open.
+
+    An empty valid/test stream stays legal: Megatron skips that evaluation.
+    """
+    return spec.error(
+        spec.num_samples_key(split),
+        f"the {split} split holds no sample: its data is shorter than one sample of seq_length {spec.seq_length} "
+        "+ 1 tokens and is built for one epoch (num_samples null, or a list of prefixes without weights); set "
+        "num_samples (and weights, for a list of prefixes): samples then wrap into further epochs, as in "
+        "megatron-core; or lower seq_length",
+    )

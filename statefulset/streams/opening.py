@@ -1,0 +1,109 @@
+"""Opening a spec's split into its sample stream: ``open_stream(spec, split)``.
+
+It reads the spec, opens every source's shards, computes the split's sequence ranges and the
+stream's identity (what a state's fingerprint covers: packing, split, seq_length, seed and each
+source's ``.idx`` content digest, range and weight), then hands over to the packing
+(:mod:`statefulset.streams.megatron`, :mod:`statefulset.streams.native`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from statefulset.errors import StatefulsetError
+from statefulset.index.cache import builds as cache_builds
+from statefulset.shards.digests import shard_digest
+from statefulset.shards.reader import IndexedDataset
+from statefulset.spec.model import DatasetSpec, load_spec
+from statefulset.spec.splits import SPLITS, parse_split, split_matrix, split_range
+from statefulset.streams.base import OpenedSources, SampleStream
+from statefulset.streams.megatron import open_megatron
+from statefulset.streams.native import open_native
+from statefulset.streams.overview import record_open
+
+
+def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], split: str = "train") -> SampleStream:
+    """The stream of ``split`` ("train", "valid" or "test") described by ``spec``.
+
+    Every ``StatefulsetError`` raised here names the spec's file (``spec.source``), and the key at
+    fault where one is. Logs what it opened at INFO on the ``statefulset`` logger
+    (:mod:`statefulset.streams.overview`).
+    """
+    started, before = time.perf_counter(), dict(cache_builds)
+    stream = _open_stream(spec, split)
+    built = {kind: n - before.get(kind, 0) for kind, n in cache_builds.items() if n > before.get(kind, 0)}
+    where = os.fspath(spec) if isinstance(spec, str | os.PathLike) else "spec"
+    record_open(stream, time.perf_counter() - started, built, where)
+    return stream
+
+
+def _open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], split: str) -> SampleStream:
+    if split not in SPLITS:
+        raise StatefulsetError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not isinstance(spec, DatasetSpec):
+        spec = load_spec(spec)
+    try:
+        stream = _open(spec, split)
+    except StatefulsetError as exc:
+        if str(exc).startswith(f"{spec.source}: "):
+            raise
+        raise type(exc)(f"{spec.source}: {exc}") from exc  # a shard or cache error: say which spec
+    stream.reopen = _open_stream
+    return stream
+
+
+def _open(spec: DatasetSpec, split: str) -> SampleStream:
+    selected = spec.blend_for(split)
+    if selected is None:
+        if spec.data_path is not None:
+            raise spec.error("split", f"the {split} split is empty (split {spec.split!r} gives it no share)")
+        raise spec.error(split, f"the {split} split is empty: the spec has no {split}: section")
+    blend, num_samples = selected
+    live = [(prefix, weight) for prefix, weight in blend if weight is None or weight > 0]
+    weighted = live[0][1] is not None
+    per_split = spec.data_path is None
+    if per_split:
+        bookends: tuple[float, float] = (0.0, 1.0)
+    else:
+        bookends = split_matrix(parse_split(spec.split))[SPLITS.index(split)]
+    memo = os.path.join(spec.path_to_cache, "digests") if spec.path_to_cache else None
+    datasets, ranges, digests = [], [], []
+    data_key = spec.data_key(split)
+    for prefix, _ in live:
+        with spec.blame(data_key):
+            dataset = IndexedDataset(prefix)
+        lo_hi = split_range(bookends, len(dataset))
+        if lo_hi is None or lo_hi[1] <= lo_hi[0]:
+            if per_split:
+                raise spec.error(data_key, f"{prefix} holds no sequences")
+            raise spec.error(
+                "split", f"{prefix}: the {split} split of split {spec.split!r} holds no sequences of its {len(dataset)}"
+            )
+        datasets.append(dataset)
+        ranges.append(lo_hi)
+        with spec.blame(data_key):
+            digests.append(shard_digest(prefix, memo))
+    identity = {
+        "packing": spec.packing,
+        "split": split,
+        "split_ratios": None if per_split else spec.split,
+        "seq_length": spec.seq_length,
+        "seed": spec.seed,
+        "num_samples": num_samples if spec.packing == "megatron" else None,
+    }
+    sources_text = json.dumps(
+        [
+            {"idx_digest": d, "sequences": list(r), "weight": w}
+            for d, r, (_, w) in zip(digests, ranges, live, strict=True)
+        ]
+    )
+    identity["data"] = hashlib.blake2b(sources_text.encode(), digest_size=12).hexdigest()
+    opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests)
+    if spec.packing == "native":
+        return open_native(spec, split, identity, opened)
+    return open_megatron(spec, split, identity, opened)

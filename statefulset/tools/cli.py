@@ -1,0 +1,210 @@
+"""The ``statefulset`` command: preprocess, merge, inspect, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from statefulset.errors import StatefulsetError
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    from statefulset.tools.preprocess import preprocess
+    from statefulset.tools.tokenizers import BYTES, TokenizerSpec
+
+    spec = TokenizerSpec(args.tokenizer or BYTES, args.eod_token, not args.no_special_tokens)
+    result = preprocess(
+        args.input,
+        args.output_prefix,
+        json_keys=args.json_keys,
+        tokenizer=spec,
+        append_eod=args.append_eod,
+        workers=args.workers,
+        skip_bad_lines=args.skip_bad_lines,
+        dtype=args.dtype,
+        chunk_bytes=args.chunk_bytes,
+        show_progress=not args.quiet,
+    )
+    print(result.summary())
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from statefulset.shards.merge import merge_datasets
+    from statefulset.shards.names import find_prefixes, refuse_mixed_keys
+    from statefulset.shards.reader import IndexedDataset
+
+    prefixes: list[str] = []
+    for item in args.input:
+        if os.path.isdir(item) or any(c in item for c in "*?["):
+            found = find_prefixes(item)
+            if not found:
+                raise StatefulsetError(f"{item}: no .bin/.idx pairs found")
+            prefixes += found
+        elif IndexedDataset.exists(item):
+            prefixes.append(item)
+        else:
+            raise StatefulsetError(f"{item}: neither a folder of shards nor a prefix with .bin and .idx")
+    if not args.allow_mixed_keys:
+        refuse_mixed_keys(prefixes, " ".join(args.input), "--allow-mixed-keys")
+    output = os.path.abspath(args.output_prefix)
+    if any(os.path.abspath(p) == output for p in prefixes):  # a rerun into the same folder
+        raise StatefulsetError(
+            f"{args.output_prefix}: the output is also one of the inputs (an earlier merge?); "
+            "merging it again would repeat its data: write elsewhere, or remove it first"
+        )
+    merged = merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
+    print(f"merged {len(prefixes)} shards into {merged.path_prefix}: {merged!r}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from statefulset.tools.inspection import inspect_shard
+    from statefulset.tools.preview import is_spec_path, preview_spec
+
+    status = 0
+    for prefix in args.prefix:
+        if is_spec_path(prefix):
+            report = preview_spec(prefix)
+        else:
+            report = inspect_shard(prefix, multimodal=args.multimodal, vocab_size=args.vocab_size)
+        print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
+        status = status or (0 if report.valid else 1)
+    return status
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from statefulset.loading.datasets import get_train_dataset, get_val_dataset
+    from statefulset.loading.worker_config import WorkerConfig
+    from statefulset.streams.provenance import StepLayout, decoder_for
+
+    if args.step is None:
+        if any(
+            v is not None for v in (args.global_batch_size, args.dp_size, args.micro_batch_size, args.rank, args.row)
+        ):
+            raise StatefulsetError(
+                "--global-batch-size, --dp-size, --micro-batch-size, --rank and --row go with --step"
+            )
+        layout, positions = None, args.position
+    else:
+        layout = StepLayout.of(args.global_batch_size, args.dp_size, args.micro_batch_size)
+        positions = layout.positions(args.step, args.rank, args.row)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    if args.split == "train":
+        ds = get_train_dataset(args.spec, batch_size=1, worker_config=wc)
+    else:
+        ds = get_val_dataset(args.spec, split_part=args.split, batch_size=1, worker_config=wc)
+    decoder = decoder_for(args.tokenizer)
+    found = [ds.explain(p, tokenizer=decoder) for p in positions]
+    if args.json:
+        rows = [{**f.as_dict(), **(layout.locate(f.position) if layout else {})} for f in found]
+        print(json.dumps(rows, indent=2))
+        return 0
+    blocks = []
+    for f in found:
+        where = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in layout.locate(f.position).items()) if layout else ""
+        blocks.append((f"{where}:\n" if where else "") + f.text())
+    print("\n\n".join(blocks))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from statefulset.tools.demo import run_demo
+
+    return 0 if run_demo(args.dir, args.documents) else 1
+
+
+def _version() -> str:
+    from statefulset import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="statefulset", description="Deterministic, savable data loading on Megatron bin/idx shards."
+    )
+    parser.add_argument("--version", action="version", version=f"statefulset {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("preprocess", help="tokenise JSON lines into <prefix>_<key>_document.{bin,idx}")
+    p.add_argument("--input", nargs="+", required=True, help="JSON-lines files (plain or .gz) or glob patterns")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenise, one shard each")
+    p.add_argument(
+        "--tokenizer",
+        "--tokenizer-model",
+        default=None,
+        help="'bytes' (built in, default) or a local tokenizer.json / tokenizer folder",
+    )
+    p.add_argument("--eod-token", default=None, help="end-of-document token of a Hugging Face tokenizer")
+    p.add_argument("--no-special-tokens", action="store_true", help="do not add the tokenizer's BOS/EOS etc.")
+    p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
+    p.add_argument("--workers", type=int, default=1, help="worker processes; output order is input order")
+    p.add_argument("--dtype", default=None, help="token dtype (default: uint16 if the vocabulary fits, else int32)")
+    p.add_argument("--skip-bad-lines", action="store_true", help="count and report malformed lines, go on")
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_preprocess)
+
+    p = sub.add_parser("merge", help="concatenate shards (folders in natural order: part_2 before part_10)")
+    p.add_argument("--input", nargs="+", required=True, help="folders, glob patterns or prefixes")
+    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--multimodal", action="store_true")
+    p.add_argument(
+        "--allow-mixed-keys",
+        action="store_true",
+        help="merge shards of different JSON keys (x_text_document with x_title_document) into one",
+    )
+    p.set_defaults(run=_merge)
+
+    p = sub.add_parser(
+        "inspect", help="statistics and a full validity check of shards; or a spec's splits, sources and samples"
+    )
+    p.add_argument("prefix", nargs="+", help="shard prefix (path without .bin/.idx), or a dataset spec .yaml/.yml")
+    p.add_argument("--multimodal", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=None, help="also check every token id is below this")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_inspect)
+
+    p = sub.add_parser(
+        "explain",
+        help="where samples came from: source shard, sequences, documents, token offsets, epoch (docs/provenance.md)",
+    )
+    p.add_argument("spec", help="the dataset spec (.yaml)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--position", type=int, nargs="+", metavar="P", help="global position(s): batch['sample_id']")
+    which.add_argument("--step", type=int, metavar="S", help="optimizer step S: the positions [S*G, (S+1)*G)")
+    p.add_argument("--global-batch-size", type=int, metavar="G", help="samples per step (default W*B)")
+    p.add_argument("--dp-size", type=int, metavar="W", help="data-parallel ranks")
+    p.add_argument("--micro-batch-size", type=int, metavar="B", help="rows per micro-batch and rank")
+    p.add_argument("--rank", type=int, metavar="R", help="only DP rank R's rows of the step (needs W and B)")
+    p.add_argument("--row", type=int, metavar="J", help="only row J of the rank's micro-batches")
+    p.add_argument("--split", default="train", choices=["train", "valid", "test"])
+    p.add_argument("--tokenizer", metavar="PATH|bytes", help="add decoded text: 'bytes' or a tokenizer.json (folder)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_explain)
+
+    p = sub.add_parser("demo", help="run the main job on a built-in corpus (no downloads)")
+    p.add_argument("--dir", default="statefulset-demo", help="where the demo writes its files")
+    p.add_argument("--documents", type=int, default=6000)
+    p.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except StatefulsetError as exc:
+        print(f"statefulset {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""JSON lines → ``<prefix>_<key>_document.{bin,idx}``, as Megatron's preprocess_data.py names them.
+
+The reader cuts the input into chunks of about ``chunk_bytes``; workers parse and tokenise a
+whole chunk in one batch and return compact arrays; the main process writes them in input
+order with the vectorised writer. At most a few chunks are in flight, so memory stays flat
+however large the input.
+
+Document semantics follow preprocess_data.py: a string value is one sequence, a list of
+strings is one sequence per element; empty sequences are dropped; ``append_eod`` adds the
+end-of-document token to each non-empty document (extending its last sequence).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import multiprocessing
+import os
+import zlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+
+import numpy
+
+from statefulset.errors import StatefulsetError
+from statefulset.shards import idx_format
+from statefulset.shards.names import natural_key
+from statefulset.shards.writer import IndexedDatasetWriter
+from statefulset.tools.progress import Progress
+from statefulset.tools.tokenizers import TokenizerSpec
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """A run of whole lines: given as ``lines`` (decompressed input), or as a byte range of a
+    plain file that the worker reads itself, so the main process never touches the data."""
+
+    path: str
+    nbytes: int
+    offset: int = 0
+    lines: list[bytes] | None = None
+
+
+@dataclass
+class _KeyArrays:
+    tokens: numpy.ndarray
+    sequence_lengths: numpy.ndarray
+    sequences_per_document: numpy.ndarray
+
+
+@dataclass
+class _Encoded:
+    documents: int
+    keys: dict[str, _KeyArrays]
+    bad: list[tuple[int, str]]  # (line within the chunk, 0-based; reason)
+    lines: int
+    blank: int
+    nbytes: int
+
+
+@dataclass
+class PreprocessResult:
+    """What a run produced and how fast."""
+
+    outputs: dict[str, str]
+    documents: int = 0
+    tokens: dict[str, int] = field(default_factory=dict)
+    bad_lines: int = 0
+    first_bad: list[str] = field(default_factory=list)
+    blank_lines: int = 0
+    input_bytes: int = 0
+    seconds: float = 0.0
+    eod: int | None = None  # the end-of-document token appended to each document, None when not asked
+    eod_text: str | None = None  # its string in the vocabulary (None for the byte tokenizer's 256)
+
+    def summary(self) -> str:
+        total = sum(self.tokens.values())
+        s = max(self.seconds, 1e-9)
+        lines = [
+            f"{self.documents:,} documents, {total:,} tokens in {self.seconds:.2f} s "
+            f"({self.documents / s:,.0f} docs/s, {total / s:,.0f} tokens/s)"
+        ]
+        lines += [f"  {key}: {prefix}.{{bin,idx}}" for key, prefix in self.outputs.items()]
+        if self.eod is None:
+            lines.append("  appended no end-of-document token (--append-eod adds one)")
+        else:
+            name = repr(self.eod_text) if self.eod_text is not None else "(the byte tokenizer's end of document)"
+            lines.append(f"  appended EOD token {self.eod} {name} to each document")
+        if self.bad_lines:
+            lines.append(f"  skipped {self.bad_lines} bad lines, first: " + "; ".join(self.first_bad))
+        if self.blank_lines:
+            lines.append(f"  ignored {self.blank_lines} blank lines")
+        return "\n".join(lines)
+
+
+def expand_inputs(inputs: Sequence[str]) -> list[str]:
+    """Files and glob patterns, each pattern's matches in natural order."""
+    paths: list[str] = []
+    for item in inputs:
+        if any(c in item for c in "*?["):
+            matches = sorted(glob.glob(item), key=natural_key)
+            if not matches:
+                raise StatefulsetError(f"{item}: the pattern matches no file")
+            paths += matches
+        elif os.path.isfile(item):
+            paths.append(item)
+        else:
+            raise StatefulsetError(f"{item}: no such input file")
+    return paths
+
+
+def _is_gzip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return path.endswith(".gz") or f.read(2) == b"\x1f\x8b"
+
+
+def _chunks(paths: list[str], chunk_bytes: int) -> Iterator[_Chunk]:
+    for path in paths:
+        try:
+            if _is_gzip(path):
+                yield from _gzip_chunks(path, chunk_bytes)
+            else:
+                yield from _plain_chunks(path, chunk_bytes)
+        except OSError as exc:
+            raise StatefulsetError(f"{path}: cannot read: {exc}") from exc
+
+
+def _plain_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
+    """Byte ranges ending at line ends: one seek and one short readline per chunk."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        start = 0
+        while start < size:
+            f.seek(min(start + chunk_bytes, size))
+            f.readline()
+            end = min(f.tell(), size)
+            yield _Chunk(path, end - start, offset=start)
+            start = end
+
+
+def _gzip_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
+    with open(path, "rb") as raw, gzip.GzipFile(fileobj=raw) as stream:
+        position = 0
+        while True:
+            try:
+                lines = stream.readlines(chunk_bytes)
+            except (OSError, EOFError, zlib.error) as exc:
+                raise StatefulsetError(f"{path}: cannot decompress: {exc}") from exc
+            if not lines:
+                return
+            now = raw.tell()
+            yield _Chunk(path, now - position, lines=lines)
+            position = now
+
+
+# -- worker side ----------------------------------------------------------------------------
+_WORKER: dict = {}
+
+
+def _init_worker(
+    spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool, dtype: numpy.dtype, quiet_threads: bool
+) -> None:
+    if quiet_threads:
+        # N worker processes already use the cores; the Rust tokenizer must not add threads.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(tokenizer=spec.build(), keys=keys, append_eod=append_eod, dtype=dtype)
+
+
+def _lines(chunk: _Chunk) -> list[bytes]:
+    if chunk.lines is not None:
+        return chunk.lines
+    with open(chunk.path, "rb") as f:
+        f.seek(chunk.offset)
+        data = f.read(chunk.nbytes)
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()  # the newline ending the last line
+    return lines
+
+
+def _narrow(tokens: numpy.ndarray, dtype: numpy.dtype) -> numpy.ndarray:
+    """Send tokens back in the shard's dtype (a quarter of int64's bytes for uint16) when they
+    fit; ones that do not fit stay wide so that the writer reports them."""
+    if dtype.kind in "iu" and tokens.size:
+        info = numpy.iinfo(dtype)
+        if tokens.min() < info.min or tokens.max() > info.max:
+            return tokens
+    return tokens.astype(dtype)
+
+
+def _texts_of(obj: object, keys: tuple[str, ...]) -> dict[str, list[str]] | str:
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}"
+    out = {}
+    for key in keys:
+        if key not in obj:
+            return f"missing key {key!r}"
+        value = obj[key]
+        if isinstance(value, str):
+            out[key] = [value]
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            out[key] = value
+        else:
+            return f"key {key!r} must be a string or a list of strings, got {type(value).__name__}"
+    return out
+
+
+def _assemble(tokens, lengths, owner, documents, eod) -> _KeyArrays:
+    """Drop empty sequences and append the end-of-document token, all vectorised."""
+    keep = lengths > 0
+    seq_lengths, seq_owner = lengths[keep], owner[keep]
+    per_doc = numpy.bincount(seq_owner, minlength=documents).astype(numpy.int64)
+    if eod is not None and seq_lengths.size:
+        last = numpy.flatnonzero(numpy.r_[seq_owner[1:] != seq_owner[:-1], True])
+        doc_ends = numpy.cumsum(seq_lengths)[last]
+        tokens = numpy.insert(tokens, doc_ends, eod)
+        seq_lengths = seq_lengths.copy()
+        seq_lengths[last] += 1
+    return _KeyArrays(tokens, seq_lengths, per_doc)
+
+
+def _encode(chunk: _Chunk) -> _Encoded:
+    tokenizer, keys = _WORKER["tokenizer"], _WORKER["keys"]
+    texts: dict[str, list[str]] = {k: [] for k in keys}
+    owners: dict[str, list[int]] = {k: [] for k in keys}
+    bad: list[tuple[int, str]] = []
+    blank = documents = 0
+    lines = _lines(chunk)
+    for number, raw in enumerate(lines):
+        if not raw.strip():
+            blank += 1
+            continue
+        try:
+            parsed = _texts_of(json.loads(raw), keys)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+            parsed = f"invalid JSON: {exc}"
+        if isinstance(parsed, str):
+            bad.append((number, parsed))
+            continue
+        for key, values in parsed.items():
+            texts[key] += values
+            owners[key] += [documents] * len(values)
+        documents += 1
+    eod = tokenizer.eod if _WORKER["append_eod"] else None
+    arrays = {}
+    for key in keys:
+        tokens, lengths = tokenizer.encode_batch(texts[key])
+        owner = numpy.asarray(owners[key], dtype=numpy.int64)
+        assembled = _assemble(tokens, lengths, owner, documents, eod)
+        assembled.tokens = _narrow(assembled.tokens, _WORKER["dtype"])
+        arrays[key] = assembled
+    return _Encoded(documents, arrays, bad, len(lines), blank, chunk.nbytes)
+
+
+def _results(chunks: Iterator[_Chunk], workers: int, init_args: tuple) -> Iterator[tuple[_Chunk, _Encoded]]:
+    """(chunk, encoded chunk) in input order, with a bounded number in flight."""
+    if workers <= 1:
+        _init_worker(*init_args)
+        for chunk in chunks:
+            yield chunk, _encode(chunk)
+        return
+    # fork starts workers in milliseconds; elsewhere fall back to the platform's default.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    # Not multiprocessing.Pool: when one of its workers is killed (OOM killer, SIGKILL) it starts
+    # another and the lost chunk's result never comes, so preprocess would wait forever.
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _init_worker, init_args)
+    pending: deque[tuple[_Chunk, Future]] = deque()
+    try:
+        for chunk in chunks:
+            pending.append((chunk, pool.submit(_encode, chunk)))
+            if len(pending) >= 2 * workers + 2:
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+    except BrokenProcessPool:
+        where = f"{pending[0][0].path}: " if pending else ""
+        raise StatefulsetError(
+            f"{where}a tokeniser worker process died (killed by a signal? out of memory?); nothing was "
+            "written; run again (with fewer --workers if memory ran out)"
+        ) from None
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def preprocess(
+    inputs: Sequence[str],
+    output_prefix: str,
+    *,
+    json_keys: Sequence[str] = ("text",),
+    tokenizer: TokenizerSpec | None = None,
+    append_eod: bool = False,
+    workers: int = 1,
+    skip_bad_lines: bool = False,
+    dtype: object = None,
+    chunk_bytes: int = 1 << 20,
+    show_progress: bool = True,
+) -> PreprocessResult:
+    """Tokenise JSON lines into one bin/idx pair per key; see the module docstring."""
+    if workers < 1:
+        raise StatefulsetError(f"--workers must be at least 1, got {workers}")
+    if not json_keys:
+        raise StatefulsetError("--json-keys needs at least one key")
+    if len(set(json_keys)) != len(json_keys):
+        raise StatefulsetError(f"--json-keys lists a key twice: {list(json_keys)}")
+    if chunk_bytes < 1:
+        raise StatefulsetError(f"--chunk-bytes must be positive, got {chunk_bytes}")
+    spec = tokenizer or TokenizerSpec()
+    paths = expand_inputs(inputs)
+    probe = spec.build()  # fail fast in this process on a bad tokenizer path
+    if append_eod and probe.eod is None:
+        raise StatefulsetError(f"{spec.name}: no end-of-document token found; pass --eod-token")
+    out_dtype = idx_format.token_dtype(dtype) if dtype is not None else idx_format.optimal_dtype(probe.vocab_size)
+    keys = tuple(json_keys)
+    result = PreprocessResult(outputs={k: f"{output_prefix}_{k}_document" for k in keys})
+    if append_eod:
+        result.eod, result.eod_text = probe.eod, probe.token_text(probe.eod)
+    writers = {k: IndexedDatasetWriter(p, out_dtype) for k, p in result.outputs.items()}
+    progress = Progress("preprocess", sum(os.path.getsize(p) for p in paths), enabled=show_progress)
+    init_args = (spec, keys, append_eod, out_dtype, workers > 1)
+    line_of: dict[str, int] = {}  # lines seen so far in each input, for file:line messages
+    try:
+        for chunk, encoded in _results(_chunks(paths, chunk_bytes), workers, init_args):
+            first_line = line_of.get(chunk.path, 0) + 1
+            line_of[chunk.path] = first_line - 1 + encoded.lines
+            if encoded.bad:
+                if not skip_bad_lines:
+                    line, reason = encoded.bad[0]
+                    raise StatefulsetError(
+                        f"{chunk.path}:{first_line + line}: {reason} (use --skip-bad-lines to skip such lines)"
+                    )
+                result.bad_lines += len(encoded.bad)
+                room = 3 - len(result.first_bad)
+                result.first_bad += [f"{chunk.path}:{first_line + n}: {r}" for n, r in encoded.bad[:room]]
+            result.blank_lines += encoded.blank
+            tokens = 0
+            for key, arrays in encoded.keys.items():
+                writers[key].add_documents(
+                    arrays.tokens,
+                    arrays.sequence_lengths,
+                    sequences_per_document=arrays.sequences_per_document,
+                )
+                tokens += arrays.tokens.size
+                result.tokens[key] = result.tokens.get(key, 0) + arrays.tokens.size
+            result.documents += encoded.documents
+            progress.update(encoded.documents, tokens, encoded.nbytes)
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    finally:
+        progress.close()
+    for writer in writers.values():
+        writer.close()
+    result.input_bytes = progress.bytes
+    result.seconds = progress.seconds
+    return result

@@ -1,0 +1,138 @@
+"""Tokenizers for preprocessing: a built-in byte-level one, and any local Hugging Face tokenizer.
+
+Both encode a whole batch of texts at once and hand back one flat token array plus the
+length of each text, which is what the vectorised writer consumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from itertools import chain
+from typing import Protocol
+
+import numpy
+
+from statefulset.errors import StatefulsetError
+
+BYTES = "bytes"
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eod: int | None
+
+    def encode_batch(self, texts: list[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """All texts' tokens concatenated (int64) and the number of tokens of each text."""
+        ...
+
+    def token_text(self, token_id: int) -> str | None:
+        """The vocabulary's string for one token id (None when it has none)."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0-255 and 256 as end of document: no vocabulary file, no download."""
+
+    vocab_size = 257
+    eod = 256
+
+    def encode_batch(self, texts: list[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
+        encoded = [t.encode("utf-8") for t in texts]
+        lengths = numpy.fromiter(map(len, encoded), numpy.int64, count=len(encoded))
+        return numpy.frombuffer(b"".join(encoded), numpy.uint8).astype(numpy.int64), lengths
+
+    def token_text(self, token_id: int) -> str | None:
+        # Bytes have no strings of their own, and 256 is no text at all.
+        return None
+
+    def decode(self, tokens: numpy.ndarray) -> str:
+        data = numpy.asarray(tokens)
+        return bytes(data[data < 256].astype(numpy.uint8)).decode("utf-8", errors="replace")
+
+
+_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+class HFTokenizer:
+    """A local ``tokenizer.json`` (or a folder holding one) through the ``tokenizers`` library.
+
+    ``add_special_tokens`` follows Hugging Face's default (True), as Megatron's
+    HuggingFaceTokenizer does. The end-of-document token is ``eod_token`` if given, else the
+    ``eos_token`` of a ``tokenizer_config.json`` beside it, else a well-known end token.
+    """
+
+    def __init__(self, path: str, eod_token: str | None = None, add_special_tokens: bool = True) -> None:
+        try:
+            from tokenizers import Tokenizer as _Backend
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise StatefulsetError(
+                f"{path}: Hugging Face tokenizers need the 'tokenizers' package: pip install 'statefulset[tokenizers]'"
+            ) from exc
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise StatefulsetError(f"{file}: no such tokenizer file (need a tokenizer.json or its folder)")
+        try:
+            self._backend = _Backend.from_file(file)
+        except Exception as exc:  # the Rust library raises its own Exception type
+            raise StatefulsetError(f"{file}: not a valid tokenizer.json: {exc}") from exc
+        self.path = file
+        self.add_special_tokens = add_special_tokens
+        self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+        self.eod = self._find_eod(folder, eod_token)
+
+    def _find_eod(self, folder: str, eod_token: str | None) -> int | None:
+        if eod_token is not None:
+            token_id = self._backend.token_to_id(eod_token)
+            if token_id is None:
+                if eod_token.isdigit() and int(eod_token) < self.vocab_size:
+                    return int(eod_token)
+                raise StatefulsetError(f"{self.path}: --eod-token {eod_token!r} is not in the vocabulary")
+            return token_id
+        config = os.path.join(folder, "tokenizer_config.json")
+        if os.path.isfile(config):
+            try:
+                with open(config, encoding="utf-8") as f:
+                    eos = json.load(f).get("eos_token")
+            except (OSError, ValueError) as exc:
+                raise StatefulsetError(f"{config}: unreadable: {exc}") from exc
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str) and self._backend.token_to_id(eos) is not None:
+                return self._backend.token_to_id(eos)
+        for candidate in _EOD_CANDIDATES:
+            token_id = self._backend.token_to_id(candidate)
+            if token_id is not None:
+                return token_id
+        return None
+
+    def encode_batch(self, texts: list[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
+        encodings = self._backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
+        ids = [e.ids for e in encodings]
+        lengths = numpy.fromiter(map(len, ids), numpy.int64, count=len(ids))
+        tokens = numpy.fromiter(chain.from_iterable(ids), numpy.int64, count=int(lengths.sum()))
+        return tokens, lengths
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(int(token_id))
+
+    def decode(self, tokens: numpy.ndarray) -> str:
+        return self._backend.decode([int(t) for t in tokens])
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What to build in each worker process: picklable, cheap to send."""
+
+    name: str = BYTES
+    eod_token: str | None = None
+    add_special_tokens: bool = True
+
+    def build(self) -> ByteTokenizer | HFTokenizer:
+        if self.name == BYTES:
+            if self.eod_token is not None:
+                raise StatefulsetError("--eod-token applies to Hugging Face tokenizers; the byte tokenizer's is 256")
+            return ByteTokenizer()
+        return HFTokenizer(self.name, self.eod_token, self.add_special_tokens)
