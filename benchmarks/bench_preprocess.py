@@ -137,7 +137,7 @@ def _run_anchor(kind: str, tokenizer_path: str, workers: int, input_path: str, p
 
 
 def _spec(kind: str, tokenizer_path: str):
-    from statefulset.tools.tokenizers import TokenizerSpec
+    from statefulset.shards.tokenizers import TokenizerSpec
 
     # The EOD token is named explicitly so a stray tokenizer_config.json in the folder cannot change it.
     return TokenizerSpec("bytes") if kind == "bytes" else TokenizerSpec(tokenizer_path, eod_token=EOD_TOKEN)

@@ -86,37 +86,37 @@ def rank_main(rank: int, world: int, rendezvous: str, spec: str, folder: str) ->
 
 def main() -> int:
     spec = demo_spec()  # the built-in corpus; written once, before any rank starts
-    folder = tempfile.mkdtemp(prefix="statefulset-dcp-")
-    world = 4
-    mp.start_processes(
-        rank_main,
-        args=(world, os.path.join(folder, "rendezvous"), spec, folder),
-        nprocs=world,
-        join=True,
-        start_method="fork",
-    )
-    records = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
-    keys = dcp.FileSystemReader(os.path.join(folder, "checkpoint")).read_metadata().state_dict_metadata
-    saved = sorted({k.split(".")[1] for k in keys if k.startswith("loader.dp_rank_")})
-    layout = [
-        [[(t * world + r) * BATCH + j for j in range(BATCH)] for t in range(SAVE_AT, SAVE_AT + AFTER)]
-        for r in range(world)
-    ]
-    ids_ok = all(rec["resumed"] == rec["uninterrupted"] == layout[r] for r, rec in enumerate(records))
-    # Not bit-identical: a fresh DDP model with a loaded AdamW state ends up ~3e-8 away from the
-    # uninterrupted one even when both are fed the same in-memory batches (no loader, no DCP
-    # involved); the sample ids are the exact check of the data.
-    weight_diff = max(rec["weight_diff"] for rec in records)
-    weights_ok = weight_diff <= 1e-6
-    keys_ok = saved == [f"dp_rank_{r}" for r in range(world)]
-    ok = ids_ok and weights_ok and keys_ok
-    print(
-        f"dcp_checkpoint: {'OK' if ok else 'MISMATCH'}: {world} gloo ranks saved model + AdamW + loader with DCP "
-        f"after {SAVE_AT} steps (loader keys kept: {', '.join(saved)}); resumed with 2 workers instead of 1: "
-        f"next {AFTER} batches {'identical' if ids_ok else 'DIFFER'} on every rank (rank 0 from sample "
-        f"{records[0]['resumed'][0][0]}), final weights within {weight_diff:.0e} of the uninterrupted run's"
-    )
-    return 0 if ok else 1
+    with tempfile.TemporaryDirectory(prefix="statefulset-dcp-") as folder:
+        world = 4
+        mp.start_processes(
+            rank_main,
+            args=(world, os.path.join(folder, "rendezvous"), spec, folder),
+            nprocs=world,
+            join=True,
+            start_method="fork",
+        )
+        records = [torch.load(os.path.join(folder, f"rank{r}.pt")) for r in range(world)]
+        keys = dcp.FileSystemReader(os.path.join(folder, "checkpoint")).read_metadata().state_dict_metadata
+        saved = sorted({k.split(".")[1] for k in keys if k.startswith("loader.dp_rank_")})
+        layout = [
+            [[(t * world + r) * BATCH + j for j in range(BATCH)] for t in range(SAVE_AT, SAVE_AT + AFTER)]
+            for r in range(world)
+        ]
+        ids_ok = all(rec["resumed"] == rec["uninterrupted"] == layout[r] for r, rec in enumerate(records))
+        # Not bit-identical: a fresh DDP model with a loaded AdamW state ends up ~3e-8 away from the
+        # uninterrupted one even when both are fed the same in-memory batches (no loader, no DCP
+        # involved); the sample ids are the exact check of the data.
+        weight_diff = max(rec["weight_diff"] for rec in records)
+        weights_ok = weight_diff <= 1e-6
+        keys_ok = saved == [f"dp_rank_{r}" for r in range(world)]
+        ok = ids_ok and weights_ok and keys_ok
+        print(
+            f"dcp_checkpoint: {'OK' if ok else 'MISMATCH'}: {world} gloo ranks saved model + AdamW + loader with DCP "
+            f"after {SAVE_AT} steps (loader keys kept: {', '.join(saved)}); resumed with 2 workers instead of 1: "
+            f"next {AFTER} batches {'identical' if ids_ok else 'DIFFER'} on every rank (rank 0 from sample "
+            f"{records[0]['resumed'][0][0]}), final weights within {weight_diff:.0e} of the uninterrupted run's"
+        )
+        return 0 if ok else 1
 
 
 if __name__ == "__main__":

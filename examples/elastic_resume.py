@@ -85,22 +85,22 @@ def run(world: int, fn, spec: str, folder: str) -> None:
 
 def main() -> int:
     spec = demo_spec()  # the built-in corpus; written once, before any rank starts
-    folder = tempfile.mkdtemp(prefix="statefulset-elastic-")
-    run(4, dp4, spec, folder)
-    run(2, dp2, spec, folder)
-    ids4, rows4 = _global_order(folder, "dp4", 4)
-    ids2, rows2 = _global_order(folder, "dp2", 2)
-    first = SAVE_AT * 4 * BATCH
-    expected = list(range(first, first + AFTER * 4 * BATCH))
-    ok = ids4 == expected and ids2 == ids4 and torch.equal(rows2, rows4)
-    size = os.path.getsize(os.path.join(folder, "loader_global.pt"))
-    print(
-        f"elastic_resume: {'OK' if ok else 'MISMATCH'}: DP4 (1 worker/rank) saved after {first} samples "
-        f"({size} bytes for 4 ranks); DP2 (2 workers/rank) resumed with samples {ids2[0]}..{ids2[-1]}, "
-        f"{len(ids2)} samples identical in order and tokens to the uninterrupted DP4 run "
-        f"({len(set(ids2))} distinct: none lost, none repeated)"
-    )
-    return 0 if ok else 1
+    with tempfile.TemporaryDirectory(prefix="statefulset-elastic-") as folder:
+        run(4, dp4, spec, folder)
+        run(2, dp2, spec, folder)
+        ids4, rows4 = _global_order(folder, "dp4", 4)
+        ids2, rows2 = _global_order(folder, "dp2", 2)
+        first = SAVE_AT * 4 * BATCH
+        expected = list(range(first, first + AFTER * 4 * BATCH))
+        ok = ids4 == expected and ids2 == ids4 and torch.equal(rows2, rows4)
+        size = os.path.getsize(os.path.join(folder, "loader_global.pt"))
+        print(
+            f"elastic_resume: {'OK' if ok else 'MISMATCH'}: DP4 (1 worker/rank) saved after {first} samples "
+            f"({size} bytes for 4 ranks); DP2 (2 workers/rank) resumed with samples {ids2[0]}..{ids2[-1]}, "
+            f"{len(ids2)} samples identical in order and tokens to the uninterrupted DP4 run "
+            f"({len(set(ids2))} distinct: none lost, none repeated)"
+        )
+        return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -81,27 +81,27 @@ def main() -> int:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     spec = demo_spec()
-    folder = tempfile.mkdtemp(prefix="statefulset-lightning-")
-    full = fit(spec, folder, num_workers=1)
-    checkpoint = os.path.join(folder, "ckpt", f"epoch=0-step={SAVE_EVERY}.ckpt")
-    saved = torch.load(checkpoint, weights_only=False)["StatefulsetDataModule"]
-    resumed = fit(spec, os.path.join(folder, "resumed"), num_workers=2, ckpt_path=checkpoint)
+    with tempfile.TemporaryDirectory(prefix="statefulset-lightning-") as folder:
+        full = fit(spec, folder, num_workers=1)
+        checkpoint = os.path.join(folder, "ckpt", f"epoch=0-step={SAVE_EVERY}.ckpt")
+        saved = torch.load(checkpoint, weights_only=False)["StatefulsetDataModule"]
+        resumed = fit(spec, os.path.join(folder, "resumed"), num_workers=2, ckpt_path=checkpoint)
 
-    cut = SAVE_EVERY * ACCUMULATE  # micro-batches before the checkpoint
-    train_ok = resumed.train_ids == full.train_ids[cut:] and len(full.train_ids) == STEPS * ACCUMULATE
-    first_val = full.val_passes[0]
-    val_ok = all(p == first_val[: len(p)] for p in full.val_passes + resumed.val_passes) and len(first_val) == 2
-    consumed_ok = saved["consumed_samples"] == cut * MICRO == saved["loader_states"][0]["batches"] * MICRO
-    ok = train_ok and val_ok and consumed_ok
-    print(
-        f"lightning_resume: {'OK' if ok else 'MISMATCH'}: checkpoint at step {SAVE_EVERY} "
-        f"(consumed_samples {saved['consumed_samples']}); resumed run trained on samples "
-        f"{resumed.train_ids[0][0]}..{resumed.train_ids[-1][-1]}, "
-        f"{'identical to' if train_ok else 'NOT'} the uninterrupted run's steps {SAVE_EVERY + 1}..{STEPS}; "
-        f"{len(full.val_passes) + len(resumed.val_passes)} validation passes "
-        f"{'all start at' if val_ok else 'do NOT all start at'} sample {first_val[0][0]}"
-    )
-    return 0 if ok else 1
+        cut = SAVE_EVERY * ACCUMULATE  # micro-batches before the checkpoint
+        train_ok = resumed.train_ids == full.train_ids[cut:] and len(full.train_ids) == STEPS * ACCUMULATE
+        first_val = full.val_passes[0]
+        val_ok = all(p == first_val[: len(p)] for p in full.val_passes + resumed.val_passes) and len(first_val) == 2
+        consumed_ok = saved["consumed_samples"] == cut * MICRO == saved["loader_states"][0]["batches"] * MICRO
+        ok = train_ok and val_ok and consumed_ok
+        print(
+            f"lightning_resume: {'OK' if ok else 'MISMATCH'}: checkpoint at step {SAVE_EVERY} "
+            f"(consumed_samples {saved['consumed_samples']}); resumed run trained on samples "
+            f"{resumed.train_ids[0][0]}..{resumed.train_ids[-1][-1]}, "
+            f"{'identical to' if train_ok else 'NOT'} the uninterrupted run's steps {SAVE_EVERY + 1}..{STEPS}; "
+            f"{len(full.val_passes) + len(resumed.val_passes)} validation passes "
+            f"{'all start at' if val_ok else 'do NOT all start at'} sample {first_val[0][0]}"
+        )
+        return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -224,32 +224,32 @@ def _gather(folder, run):
 
 def main() -> int:
     began = time.perf_counter()
-    folder = tempfile.mkdtemp(prefix="statefulset-megatron3d-")
-    spec = demo_spec(os.path.join(folder, "corpus"), seq_length=SEQ)
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    for phase in ("first", "restart"):
-        mp.start_processes(_rank, args=(spec, folder, phase), nprocs=WORLD, join=True, start_method=method)
-    ref_losses, ref_ids = _gather(folder, "reference")
-    cut_losses, _ = _gather(folder, "interrupted")
-    new_losses, new_ids = _gather(folder, "restart")
-    ok = (
-        len(ref_losses) == ITERATIONS
-        and cut_losses == ref_losses[:CRASH_AFTER]
-        and new_losses == ref_losses[CRASH_AFTER:]
-        and all(new_ids[dp] == ref_ids[dp][CRASH_AFTER:] for dp in ref_ids)
-        and ref_losses[-1] < ref_losses[0]
-    )
-    samples = sum(len(ids) for dp in new_ids.values() for step in dp for ids in step)
-    verdict = "PASS" if ok else "FAIL"
-    print(
-        f"megatron_3d: {verdict}: TP{TP} PP{PP} DP{WORLD // (TP * PP)} on {WORLD} gloo ranks, loss "
-        f"{ref_losses[0]:.3f} -> {ref_losses[-1]:.3f} over {ITERATIONS} iterations; crash after iteration "
-        f"{CRASH_AFTER}, restart reproduced {len(new_losses)} losses and {samples} sample ids "
-        f"{'exactly' if ok else 'WITH DIFFERENCES'} ({time.perf_counter() - began:.1f} s)"
-    )
-    if not ok:
-        print(f"  reference losses {ref_losses}\n  restarted losses {new_losses}", file=sys.stderr)
-    return 0 if ok else 1
+    with tempfile.TemporaryDirectory(prefix="statefulset-megatron3d-") as folder:
+        spec = demo_spec(os.path.join(folder, "corpus"), seq_length=SEQ)
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        for phase in ("first", "restart"):
+            mp.start_processes(_rank, args=(spec, folder, phase), nprocs=WORLD, join=True, start_method=method)
+        ref_losses, ref_ids = _gather(folder, "reference")
+        cut_losses, _ = _gather(folder, "interrupted")
+        new_losses, new_ids = _gather(folder, "restart")
+        ok = (
+            len(ref_losses) == ITERATIONS
+            and cut_losses == ref_losses[:CRASH_AFTER]
+            and new_losses == ref_losses[CRASH_AFTER:]
+            and all(new_ids[dp] == ref_ids[dp][CRASH_AFTER:] for dp in ref_ids)
+            and ref_losses[-1] < ref_losses[0]
+        )
+        samples = sum(len(ids) for dp in new_ids.values() for step in dp for ids in step)
+        verdict = "PASS" if ok else "FAIL"
+        print(
+            f"megatron_3d: {verdict}: TP{TP} PP{PP} DP{WORLD // (TP * PP)} on {WORLD} gloo ranks, loss "
+            f"{ref_losses[0]:.3f} -> {ref_losses[-1]:.3f} over {ITERATIONS} iterations; crash after iteration "
+            f"{CRASH_AFTER}, restart reproduced {len(new_losses)} losses and {samples} sample ids "
+            f"{'exactly' if ok else 'WITH DIFFERENCES'} ({time.perf_counter() - began:.1f} s)"
+        )
+        if not ok:
+            print(f"  reference losses {ref_losses}\n  restarted losses {new_losses}", file=sys.stderr)
+        return 0 if ok else 1
 
 
 if __name__ == "__main__":

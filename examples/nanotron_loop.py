@@ -157,40 +157,40 @@ def run(spec: str, workdir: str, resume: bool) -> dict[int, dict]:
 
 
 def main() -> int:
-    workdir = tempfile.mkdtemp(prefix="statefulset-nanotron-")
-    spec = demo_spec(os.path.join(workdir, "corpus"), documents=400, seq_length=SEQ)
-    full = run(spec, workdir, resume=False)
-    resumed = run(spec, workdir, resume=True)
-    layout = ParallelLayout(WORLD, pp=PP)
-    problems = []
-    for rank in range(WORLD):
-        info = layout.rank_info(rank)
-        if resumed[rank]["sample_ids"] != full[rank]["sample_ids"][CHECKPOINT_STEP:]:
-            problems.append(f"rank {rank} (pp {info.pp_rank}, dp {info.dp_rank}): sample ids differ")
-        if resumed[rank]["losses"] != full[rank]["losses"][CHECKPOINT_STEP:]:
-            problems.append(
-                f"rank {rank}: losses differ {resumed[rank]['losses']} vs {full[rank]['losses'][CHECKPOINT_STEP:]}"
-            )
-        # The stream layout: DP rank r, micro-batch t, row j is global position (t*W + r)*B + j.
-        flat = [ids for step in full[rank]["sample_ids"] for ids in step]
-        expected = [
-            [(t * layout.dp + info.dp_rank) * MICRO_BATCH_SIZE + j for j in range(MICRO_BATCH_SIZE)]
-            for t in range(STEPS * N_MICRO_BATCHES)
-        ]
-        if flat != expected:
-            problems.append(f"rank {rank}: sample ids do not follow the stream layout")
-    losses = " ".join(f"{loss:.4f}" for loss in full[WORLD - 1]["losses"])
-    print(f"losses per step (uninterrupted): {losses}")
-    consumed = CHECKPOINT_STEP * MICRO_BATCH_SIZE * N_MICRO_BATCHES * layout.dp
-    if problems:
-        print("nanotron_loop: MISMATCH: " + "; ".join(problems))
-        return 1
-    print(
-        f"nanotron_loop: OK: PP{PP} x DP{layout.dp}, {STEPS} steps of {N_MICRO_BATCHES} micro-batches; restarted at "
-        f"step {CHECKPOINT_STEP} from consumed_train_samples={consumed}, losses and sample ids equal the "
-        "uninterrupted run exactly"
-    )
-    return 0
+    with tempfile.TemporaryDirectory(prefix="statefulset-nanotron-") as workdir:
+        spec = demo_spec(os.path.join(workdir, "corpus"), documents=400, seq_length=SEQ)
+        full = run(spec, workdir, resume=False)
+        resumed = run(spec, workdir, resume=True)
+        layout = ParallelLayout(WORLD, pp=PP)
+        problems = []
+        for rank in range(WORLD):
+            info = layout.rank_info(rank)
+            if resumed[rank]["sample_ids"] != full[rank]["sample_ids"][CHECKPOINT_STEP:]:
+                problems.append(f"rank {rank} (pp {info.pp_rank}, dp {info.dp_rank}): sample ids differ")
+            if resumed[rank]["losses"] != full[rank]["losses"][CHECKPOINT_STEP:]:
+                problems.append(
+                    f"rank {rank}: losses differ {resumed[rank]['losses']} vs {full[rank]['losses'][CHECKPOINT_STEP:]}"
+                )
+            # The stream layout: DP rank r, micro-batch t, row j is global position (t*W + r)*B + j.
+            flat = [ids for step in full[rank]["sample_ids"] for ids in step]
+            expected = [
+                [(t * layout.dp + info.dp_rank) * MICRO_BATCH_SIZE + j for j in range(MICRO_BATCH_SIZE)]
+                for t in range(STEPS * N_MICRO_BATCHES)
+            ]
+            if flat != expected:
+                problems.append(f"rank {rank}: sample ids do not follow the stream layout")
+        losses = " ".join(f"{loss:.4f}" for loss in full[WORLD - 1]["losses"])
+        print(f"losses per step (uninterrupted): {losses}")
+        consumed = CHECKPOINT_STEP * MICRO_BATCH_SIZE * N_MICRO_BATCHES * layout.dp
+        if problems:
+            print("nanotron_loop: MISMATCH: " + "; ".join(problems))
+            return 1
+        print(
+            f"nanotron_loop: OK: PP{PP} x DP{layout.dp}, {STEPS} steps of {N_MICRO_BATCHES} micro-batches; "
+            f"restarted at step {CHECKPOINT_STEP} from consumed_train_samples={consumed}, losses and sample ids "
+            "equal the uninterrupted run exactly"
+        )
+        return 0
 
 
 if __name__ == "__main__":

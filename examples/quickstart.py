@@ -15,30 +15,30 @@ from statefulset.tools.demo import demo_spec
 
 
 def main() -> None:
-    folder = tempfile.mkdtemp(prefix="statefulset-quickstart-")
-    # The built-in corpus: two byte-tokenised shards (blend 0.7 / 0.3) and a YAML spec.
-    spec = demo_spec(folder, packing="native", seq_length=256)
-    with open(spec, encoding="utf-8") as f:
-        print(f.read().strip())
+    with tempfile.TemporaryDirectory(prefix="statefulset-quickstart-") as folder:
+        # The built-in corpus: two byte-tokenised shards (blend 0.7 / 0.3) and a YAML spec.
+        spec = demo_spec(folder, packing="native", seq_length=256)
+        with open(spec, encoding="utf-8") as f:
+            print(f.read().strip())
 
-    def make_loader(num_workers: int):
-        wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers)
-        return get_savable_loader(get_train_dataset(spec, batch_size=4, worker_config=wc))
+        def make_loader(num_workers: int):
+            wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers)
+            return get_savable_loader(get_train_dataset(spec, batch_size=4, worker_config=wc))
 
-    loader = make_loader(num_workers=2)
-    steps = 10
-    for _, batch in zip(range(steps), loader, strict=False):
-        assert batch["text"].shape == (4, 257) and batch["text"].dtype == torch.int64
-    state = loader.save_state_rank()
-    torch.save(state, os.path.join(folder, "loader.pt"))
-    expected = [b["sample_id"].tolist() for _, b in zip(range(3), loader, strict=False)]
+        loader = make_loader(num_workers=2)
+        steps = 10
+        for _, batch in zip(range(steps), loader, strict=False):
+            assert batch["text"].shape == (4, 257) and batch["text"].dtype == torch.int64
+        state = loader.save_state_rank()
+        torch.save(state, os.path.join(folder, "loader.pt"))
+        expected = [b["sample_id"].tolist() for _, b in zip(range(3), loader, strict=False)]
 
-    resumed = make_loader(num_workers=1)  # a different worker count is fine
-    resumed.restore_state_rank(torch.load(os.path.join(folder, "loader.pt")))
-    got = [b["sample_id"].tolist() for _, b in zip(range(3), resumed, strict=False)]
-    print(f"state after {steps} steps: {len(repr(state))} bytes; next sample ids {got}")
-    assert got == expected, (got, expected)
-    print("quickstart: resumed on exactly the next samples")
+        resumed = make_loader(num_workers=1)  # a different worker count is fine
+        resumed.restore_state_rank(torch.load(os.path.join(folder, "loader.pt")))
+        got = [b["sample_id"].tolist() for _, b in zip(range(3), resumed, strict=False)]
+        print(f"state after {steps} steps: {len(repr(state))} bytes; next sample ids {got}")
+        assert got == expected, (got, expected)
+        print("quickstart: resumed on exactly the next samples")
 
 
 if __name__ == "__main__":

@@ -14,21 +14,22 @@ from statefulset import IndexedDataset, IndexedDatasetWriter, merge_datasets
 
 
 def main() -> None:
-    folder = Path(tempfile.mkdtemp(prefix="statefulset-example-"))
-    rng = numpy.random.default_rng(0)
-    for part in (1, 2):
-        # One document per add_document call; files appear only when the block ends.
-        with IndexedDatasetWriter(folder / f"part_{part}", dtype=numpy.uint16) as writer:
-            for _ in range(100):
-                writer.add_document(rng.integers(0, 50_000, size=int(rng.integers(10, 200))))
-            # A document made of two sequences (e.g. sentences).
-            writer.add_document([1, 2, 3, 4, 5], lengths=[2, 3])
-    merged = merge_datasets([folder / "part_1", folder / "part_2"], folder / "corpus")
-    print(merged)
-    print("sequence 100:", merged[100].tolist(), "| document 100:", [s.tolist() for s in merged.document(100)])
-    reopened = IndexedDataset(folder / "corpus")
-    assert len(reopened) == 2 * 102 and reopened.num_documents == 2 * 101
-    print(f"files in {folder}")
+    with tempfile.TemporaryDirectory(prefix="statefulset-example-") as temporary:
+        folder = Path(temporary)
+        rng = numpy.random.default_rng(0)
+        for part in (1, 2):
+            # One document per add_document call; files appear only when the block ends.
+            with IndexedDatasetWriter(folder / f"part_{part}", dtype=numpy.uint16) as writer:
+                for _ in range(100):
+                    writer.add_document(rng.integers(0, 50_000, size=int(rng.integers(10, 200))))
+                # A document made of two sequences (e.g. sentences).
+                writer.add_document([1, 2, 3, 4, 5], lengths=[2, 3])
+        merged = merge_datasets([folder / "part_1", folder / "part_2"], folder / "corpus")
+        print(merged)
+        print("sequence 100:", merged[100].tolist(), "| document 100:", [s.tolist() for s in merged.document(100)])
+        reopened = IndexedDataset(folder / "corpus")
+        assert len(reopened) == 2 * 102 and reopened.num_documents == 2 * 101
+        print(f"files in {folder}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import numpy
 import pytest
 
@@ -7,6 +11,17 @@ from statefulset import IndexedDatasetWriter
 from statefulset.shards.idx_format import DTYPE_CODES
 
 ALL_DTYPES = list(DTYPE_CODES.values())
+
+# Tests never write into the user's real ~/.cache: remembered facts, the compiled kernels and the
+# demo corpus go to a folder of this session (set before anything runs, so subprocesses and
+# worker processes inherit it), removed at the end.
+_CACHE_HOME = tempfile.mkdtemp(prefix="statefulset-tests-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+os.environ.pop("STATEFULSET_KERNEL_DIR", None)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 
 def random_documents(rng: numpy.random.Generator, dtype: numpy.dtype, n: int = 50, max_len: int = 40):

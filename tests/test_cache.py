@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import numpy
 import pytest
@@ -140,6 +142,65 @@ def test_concurrent_builders_make_one_correct_cache(spec):
     assert not [n for n in os.listdir(spec["path_to_cache"]) if n.startswith(".tmp")]
 
 
+# Two processes asking for the same entry, with builds the test controls: "slow" signals that it is
+# building and then waits for a go file; "eager" records whether its own build ever ran.
+LOCK_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy
+    from statefulset.index.cache import IndexCache
+
+    root, mode, signal_file, go = sys.argv[1:5]
+
+    def slow():
+        open(signal_file, "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.01)
+        return {"a": numpy.arange(7)}
+
+    def eager():
+        open(signal_file, "w").close()
+        return {"a": numpy.arange(7) * 0}
+
+    arrays = IndexCache(root).get_or_build("GPTDataset", {"x": 1}, slow if mode == "slow" else eager)
+    print(arrays["a"].tolist())
+    """
+)
+
+
+def _wait_for(path, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.01)
+
+
+def test_a_second_builder_waits_for_the_first_and_loads_its_entry(tmp_path):
+    # The two requests overlap for certain: the second starts while the first is inside its build.
+    root, go = str(tmp_path / "cache"), str(tmp_path / "go")
+    building, eager_ran = str(tmp_path / "building"), str(tmp_path / "eager-ran")
+    first = subprocess.Popen([sys.executable, "-c", LOCK_CHILD, root, "slow", building, go], stdout=subprocess.PIPE)
+    try:
+        _wait_for(building)
+        second = subprocess.Popen(
+            [sys.executable, "-c", LOCK_CHILD, root, "eager", eager_ran, go], stdout=subprocess.PIPE
+        )
+        try:
+            with pytest.raises(subprocess.TimeoutExpired):
+                second.wait(timeout=3)  # blocked on the first one's lock, not building its own
+            assert not os.path.exists(eager_ran)
+            open(go, "w").close()
+            out_first, _ = first.communicate(timeout=60)
+            out_second, _ = second.communicate(timeout=60)
+        finally:
+            second.kill()
+    finally:
+        first.kill()
+    assert first.returncode == second.returncode == 0
+    assert json.loads(out_first) == json.loads(out_second) == list(range(7))  # the first one's arrays
+    assert not os.path.exists(eager_ran)
+
+
 def test_crash_mid_build_leaves_nothing_that_loads(tmp_path):
     cache = IndexCache(str(tmp_path / "c"))
 
@@ -163,13 +224,42 @@ def test_damaged_entry_is_named(tmp_path):
         cache.get_or_build("GPTDataset", {"x": 1}, lambda: {"a": numpy.arange(5)})
 
 
+# Opens a spec after giving up root (root writes through any permission bits): everything it needs
+# is imported first, as root, so the unprivileged part only reads the shards and the cache.
+AS_NOBODY = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy
+    from statefulset.streams.opening import open_stream
+    spec = json.loads(sys.argv[1])
+    os.setgid(65534)
+    os.setuid(65534)
+    assert not os.access(spec["path_to_cache"], os.W_OK)
+    print(len(open_stream(spec)))
+    """
+)
+
+
 def test_read_only_cache_folder_still_works(spec, tmp_path):
-    open_stream(spec)
+    expected = len(open_stream(spec))
     os.chmod(spec["path_to_cache"], 0o555)
     try:
-        if os.access(spec["path_to_cache"], os.W_OK):
-            pytest.skip("running as a user who can write anywhere")
-        assert len(open_stream(spec)) > 0
+        if os.geteuid() != 0:
+            assert not os.access(spec["path_to_cache"], os.W_OK)
+            assert len(open_stream(spec)) == expected
+            return
+        for folder in [tmp_path, *tmp_path.parents]:  # pytest's folders are 0700: let the reader in
+            if folder == folder.parent or folder == Path(tempfile.gettempdir()):
+                break
+            os.chmod(folder, os.stat(folder).st_mode | 0o005)
+        for root, _, files in os.walk(tmp_path):
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o644)
+        run = subprocess.run(
+            [sys.executable, "-c", AS_NOBODY, json.dumps(spec)], capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 0, run.stderr
+        assert int(run.stdout) == expected
     finally:
         os.chmod(spec["path_to_cache"], 0o755)
 

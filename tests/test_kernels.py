@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy
 import pytest
+from conftest import write_printable_shards
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +23,10 @@ from statefulset.index.megatron import blend
 from statefulset.index.megatron import sample_index as sample_index_module
 from statefulset.index.megatron.gpt import build_sample_index
 from statefulset.index.megatron.sample_index import build_sample_index_numpy
+from statefulset.index.native.keys import derive_key
+from statefulset.index.native.permutation import ROUNDS, KeyedPermutation, half_bits
+from statefulset.index.native.windows import _compiled_window_permute
+from statefulset.streams.opening import open_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -378,6 +383,57 @@ def test_concurrent_builds_agree(compiled, tmp_path):
     assert [p.name for p in folder.iterdir()] == [outputs[0].split()[0]]  # and no temporary files left
     ids, samples = blend.blending_indices(numpy.array([0.5, 0.3, 0.2]), 100_000, native=False)
     assert outputs[0].split()[1] == hashlib.sha256(ids.tobytes() + samples.tobytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------- native kernels == NumPy
+# Machines with and without a C compiler must serve the same data: the compiled Feistel rounds and
+# window order equal the pure NumPy arithmetic bit for bit, and whole streams agree.
+
+
+@FAST
+@given(st.integers(1, 2**50), st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**50), min_size=1, max_size=40))
+def test_compiled_feistel_equals_the_numpy_rounds(compiled, n, key, picks):
+    perm = KeyedPermutation(n, key)
+    x = numpy.array([p % n for p in picks], dtype=numpy.int64)
+    forward = perm(x)
+    assert numpy.array_equal(forward, perm._numpy(x))
+    assert numpy.array_equal(perm.inverse(forward), x)
+    assert numpy.array_equal(perm._numpy_inverse(forward), x)
+
+
+@FAST
+@given(st.integers(1, 2**40), st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**52), min_size=1, max_size=40))
+def test_compiled_window_order_equals_numpy(compiled, windows, key, picks):
+    local = numpy.array(picks, dtype=numpy.int64)
+    ours = _compiled_window_permute(local, windows, half_bits(windows), key, ROUNDS)
+    epochs, offsets = numpy.divmod(local, windows)
+    expected = [
+        int(KeyedPermutation(windows, derive_key(key, int(e)))._numpy(numpy.array([int(j)]))[0])
+        for e, j in zip(epochs.tolist(), offsets.tolist(), strict=True)
+    ]
+    assert ours.tolist() == expected
+
+
+@pytest.mark.parametrize("packing", ["native", "megatron"])
+def test_streams_are_the_same_without_kernels(compiled, reloaded, tmp_path, packing):
+    prefixes = write_printable_shards(tmp_path, documents=(300, 120))
+    spec = {
+        "data_path": {prefixes[0]: 0.6, prefixes[1]: 0.4},
+        "seq_length": 16,
+        "split": "90,10,0",
+        "packing": packing,
+        "num_samples": 3000,
+    }
+
+    def everything() -> numpy.ndarray:
+        stream = open_stream(spec)
+        return stream.gather(numpy.arange(3000))  # native: three epochs and more
+
+    with_kernels = everything()
+    reloaded.setenv("STATEFULSET_KERNELS", "0")
+    kernels._reset()
+    assert not kernels.available()
+    numpy.testing.assert_array_equal(everything(), with_kernels)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -43,18 +43,3 @@ def test_keys_give_different_orders_that_look_shuffled():
     assert (a == numpy.arange(n)).sum() < 10
     assert abs(numpy.corrcoef(a, numpy.arange(n))[0, 1]) < 0.05
     assert derive_key(1, 2) != derive_key(2, 1)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 2**50), st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**50), min_size=1, max_size=40))
-def test_compiled_rounds_equal_the_numpy_rounds(n, key, picks):
-    from statefulset.index import compiled as kernels
-
-    if not kernels.available():
-        return
-    perm = KeyedPermutation(n, key)
-    x = numpy.array([p % n for p in picks], dtype=numpy.int64)
-    forward = perm(x)
-    assert numpy.array_equal(forward, perm._numpy(x))
-    assert numpy.array_equal(perm.inverse(forward), x)
-    assert numpy.array_equal(perm._numpy_inverse(forward), x)

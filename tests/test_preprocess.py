@@ -10,8 +10,8 @@ import numpy
 import pytest
 
 from statefulset import IndexedDataset, StatefulsetError
+from statefulset.shards.tokenizers import ByteTokenizer, HFTokenizer, TokenizerSpec
 from statefulset.tools.preprocess import preprocess
-from statefulset.tools.tokenizers import ByteTokenizer, HFTokenizer, TokenizerSpec
 
 mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 

@@ -22,7 +22,7 @@ from statefulset import (
     get_val_dataset,
 )
 from statefulset.errors import SequenceIndexError, StatefulsetError
-from statefulset.tools.tokenizers import ByteTokenizer
+from statefulset.shards.tokenizers import ByteTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ compiler (``$CC``, else ``cc``) and ``-O2 -shared -fPIC -ffp-contract=off``: no 
 multiply-add and no fast-math, so every floating-point expression rounds exactly as in
 megatron-core's ``helpers.cpp`` and in the Python fallbacks beside each caller.
 
-The shared library is cached in ``$STATEFULSET_KERNEL_DIR`` (default ``~/.cache/statefulset``)
+The shared library is cached in ``$STATEFULSET_KERNEL_DIR`` (default ``$XDG_CACHE_HOME/statefulset``, else
+``~/.cache/statefulset``)
 under a name that hashes the source, the compiler command, the flags and the platform, so an
 edited source or another compiler builds a new file. Each process compiles to a unique temporary
 name and renames it into place, so any number of processes may build at once. When compiling or
@@ -40,6 +41,7 @@ from pathlib import Path
 import numpy
 
 from statefulset.errors import StatefulsetError
+from statefulset.shards.facts import user_cache_dir
 
 __all__ = ["available", "library", "pick"]
 
@@ -64,7 +66,7 @@ def _compiler() -> list[str]:
 
 def _cache_dir() -> Path:
     configured = os.environ.get("STATEFULSET_KERNEL_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "statefulset"
+    return Path(configured) if configured else Path(user_cache_dir())
 
 
 def _library_path(source: bytes, compiler: list[str]) -> Path:

@@ -47,9 +47,14 @@ def file_token(path: str) -> tuple[str, str] | None:
     return os.path.realpath(path), f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
 
 
-def memo_dir() -> str:
+def user_cache_dir() -> str:
+    """This user's statefulset folder: ``$XDG_CACHE_HOME/statefulset``, else ``~/.cache/statefulset``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "statefulset", "memo")
+    return os.path.join(base, "statefulset")
+
+
+def memo_dir() -> str:
+    return os.path.join(user_cache_dir(), "memo")
 
 
 def _tokens(paths: tuple[str, ...]) -> tuple[tuple[str, str], ...] | None:

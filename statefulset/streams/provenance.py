@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy
 
 from statefulset.errors import SequenceIndexError, StatefulsetError
+from statefulset.shards.tokenizers import TokenizerSpec
 
 if TYPE_CHECKING:
     from statefulset.shards.reader import IndexedDataset
@@ -112,8 +113,6 @@ def decoder_for(tokenizer: Any) -> Decoder | None:
         return None
     if hasattr(tokenizer, "decode"):
         return tokenizer
-    from statefulset.tools.tokenizers import TokenizerSpec
-
     if isinstance(tokenizer, str | os.PathLike):
         tokenizer = TokenizerSpec(os.fspath(tokenizer))
     if isinstance(tokenizer, TokenizerSpec):

@@ -1,3 +1,3 @@
-"""Tools around the loader: tokenizers, preprocessing, progress, shard inspection, the spec preview,
+"""Tools around the loader: preprocessing, progress, shard inspection, the spec preview,
 the command line and the demo.
 """

@@ -12,8 +12,8 @@ from statefulset.errors import StatefulsetError
 
 
 def _preprocess(args: argparse.Namespace) -> int:
+    from statefulset.shards.tokenizers import BYTES, TokenizerSpec
     from statefulset.tools.preprocess import preprocess
-    from statefulset.tools.tokenizers import BYTES, TokenizerSpec
 
     spec = TokenizerSpec(args.tokenizer or BYTES, args.eod_token, not args.no_special_tokens)
     result = preprocess(

@@ -18,14 +18,15 @@ import yaml
 from statefulset.loading.datasets import get_train_dataset
 from statefulset.loading.loader import get_savable_loader
 from statefulset.loading.worker_config import WorkerConfig
+from statefulset.shards.facts import user_cache_dir
 from statefulset.shards.merge import merge_datasets
 from statefulset.shards.names import find_prefixes
 from statefulset.shards.reader import IndexedDataset
+from statefulset.shards.tokenizers import ByteTokenizer
 from statefulset.shards.writer import IndexedDatasetWriter
 from statefulset.streams.opening import open_stream
 from statefulset.tools.inspection import inspect_shard
 from statefulset.tools.preprocess import preprocess
-from statefulset.tools.tokenizers import ByteTokenizer
 
 _WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
@@ -82,7 +83,7 @@ def demo_spec(
     An existing folder is reused: the shards are only written when missing. Call it once before
     starting ranks rather than from every rank at the same time.
     """
-    folder = folder or os.path.join(os.path.expanduser("~"), ".cache", "statefulset", "demo-corpus")
+    folder = folder or os.path.join(user_cache_dir(), "demo-corpus")
     os.makedirs(folder, exist_ok=True)
     tokenizer = ByteTokenizer()
     docs = generate_documents(documents)

@@ -29,9 +29,9 @@ import numpy
 from statefulset.errors import StatefulsetError
 from statefulset.shards import idx_format
 from statefulset.shards.names import natural_key
+from statefulset.shards.tokenizers import TokenizerSpec
 from statefulset.shards.writer import IndexedDatasetWriter
 from statefulset.tools.progress import Progress
-from statefulset.tools.tokenizers import TokenizerSpec
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Tokenizers for preprocessing: a built-in byte-level one, and any local Hugging Face tokenizer.
+"""What shard tokens mean: a built-in byte-level tokenizer, and any local Hugging Face tokenizer.
 
-Both encode a whole batch of texts at once and hand back one flat token array plus the
+Preprocessing encodes text into shard tokens with them; provenance (``explain``) decodes tokens
+back into text. Both encode a whole batch of texts at once and hand back one flat token array plus the
 length of each text, which is what the vectorised writer consumes.
 """
 

@@ -1,0 +1,182 @@
+"""The package layout shows the data flow, and the rules that keep it so hold (issue 11).
+
+spec → shards → index → streams → loading → integrations; parallel beside them; tools on top.
+A module may import only its own layer and the layers below it, no import cycle exists (imports
+inside functions count; ``if TYPE_CHECKING:`` blocks do not), no module grows past 500 lines, and
+``import statefulset`` imports no framework.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "statefulset"
+
+# What each layer may import besides itself (errors is everyone's).
+ALLOWED = {
+    "errors": set(),
+    "spec": {"errors"},
+    "shards": {"errors"},
+    "index": {"errors", "shards"},
+    "streams": {"errors", "spec", "shards", "index"},
+    "parallel": {"errors"},
+    "loading": {"errors", "spec", "shards", "index", "streams", "parallel"},
+    "integrations": {"errors", "spec", "shards", "index", "streams", "parallel", "loading"},
+    "tools": {"errors", "spec", "shards", "index", "streams", "parallel", "loading"},
+}
+MAX_LINES = 500
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every statefulset module ``path`` imports at run time, wherever the import statement is."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("statefulset"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            if base.startswith("statefulset"):
+                for alias in node.names:  # `from statefulset.x import y` may name the module x.y
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return {m for m in found if m != module}
+
+
+FILES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+MODULES = set(FILES)
+GRAPH = {m: _imports(p, m) for m, p in FILES.items()}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+def test_every_module_sits_in_a_layer():
+    stray = [m for m in MODULES if _layer(m) is None and m not in ("statefulset", "statefulset.__main__")]
+    assert not stray, f"modules outside the layers: {sorted(stray)}"
+
+
+def test_low_layers_never_import_high_ones():
+    wrong = []
+    for module, targets in GRAPH.items():
+        layer = _layer(module)
+        if layer is None:
+            continue  # the package's public surface and __main__ may import anything
+        for target in targets:
+            other = _layer(target)
+            if target == "statefulset" and layer == "tools":
+                continue  # the top layer may use the public surface (e.g. __version__)
+            if other is None or (other != layer and other not in ALLOWED[layer]):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles():
+    # Tarjan's strongly connected components over the run-time import graph.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in GRAPH.get(node, ()):
+            if target not in MODULES:
+                continue
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(MODULES):
+        if module not in index:
+            connect(module)
+    # A package's __init__ re-exporting its own modules is not a cycle of concerns.
+    real = [c for c in cycles if not all(m == c[0] or m.startswith(c[0] + ".") for m in c)]
+    assert not real, f"import cycles: {real}"
+
+
+def test_modules_stay_small():
+    long = {m: n for m, p in FILES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_grab_bag_modules():
+    bags = [m for m in MODULES if m.rpartition(".")[2] in {"utils", "util", "helpers", "misc", "common"}]
+    assert not bags, bags
+
+
+def test_import_statefulset_imports_no_framework():
+    code = (
+        "import sys, statefulset\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning', 'megatron', "
+        "'nanotron'}))\n"
+        "print(statefulset.GPTBatchConfig.__module__, statefulset.build_nanotron_dataloader.__module__)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    first, second = run.stdout.splitlines()
+    assert first == "[]"
+    assert second == "statefulset.integrations.megatron.batch statefulset.integrations.nanotron.dataloader"
+
+
+def test_the_contract_names_import():
+    from statefulset import (  # noqa: F401
+        IndexedDataset,
+        IndexedDatasetWriter,
+        ParallelLayout,
+        StatefulsetError,
+        WorkerConfig,
+        get_loader,
+        get_savable_loader,
+        get_train_dataset,
+        get_val_dataset,
+    )
+
+
+def test_the_docs_show_every_layer():
+    for page in ("docs/concepts.md", "README.md"):
+        text = (PACKAGE.parent / page).read_text(encoding="utf-8")
+        missing = [name for name in ALLOWED if name != "errors" and f"{name}/" not in text]
+        assert not missing, f"{page} does not show {missing}"
