@@ -72,7 +72,7 @@ def test_remote_errors_name_the_url(memory_shard):
     fs.pipe("/corpus/s.bin", b"\x00" * 3)
     with pytest.raises(StatefulsetError, match=r"memory://corpus/s\.bin: file is 3 bytes"):
         IndexedDataset(url)
-    with pytest.raises(StatefulsetError, match=r"memory://corpus/missing\.idx: no such file"):
+    with pytest.raises(StatefulsetError, match=r"memory://corpus/missing\.bin: no such object"):
         IndexedDataset("memory://corpus/missing")
-    with pytest.raises(StatefulsetError, match=r"nosuchproto://x/y\.idx"):
+    with pytest.raises(StatefulsetError, match=r"nosuchproto://x/y\.bin: cannot open this URL.*Protocol not known"):
         IndexedDataset("nosuchproto://x/y")

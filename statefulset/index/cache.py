@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -26,22 +25,19 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy
 
 from statefulset.errors import StatefulsetError
+from statefulset.shards.locks import exclusive
 
 logger = logging.getLogger("statefulset")
 
 CACHE_VERSION = 1
 # Entries this process built (not loaded), by kind: what tests and logs use to see who built.
 builds: dict[str, int] = {}
-# How long a process waits for another one's build of the same entry: a build of 10^9 sequences
-# takes minutes, so an hour means the builder is stuck (its lock would be gone had it died).
-_DEFAULT_WAIT_S = 3600.0
-_REPORT_EVERY_S = 60.0
 
 
 def description_key(description: dict[str, Any]) -> str:
@@ -50,71 +46,6 @@ def description_key(description: dict[str, Any]) -> str:
 
 
 # -- the array cache ------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _locked(path: str) -> Iterator[bool]:
-    """An exclusive flock, released by the kernel if the holder dies; no lock where flock is unsupported.
-
-    Yields whether the lock is held.
-    """
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:
-        yield False
-        return
-    try:
-        try:
-            _wait_for_lock(fd, path)
-            held = True
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            held = False
-        yield held
-    finally:
-        os.close(fd)
-
-
-def _wait_bound() -> float:
-    text = os.environ.get("STATEFULSET_CACHE_WAIT", "")
-    try:
-        bound = float(text) if text.strip() else _DEFAULT_WAIT_S
-    except ValueError:
-        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be a number of seconds, got {text!r}") from None
-    if not bound > 0:
-        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be positive, got {text!r}")
-    return bound
-
-
-def _wait_for_lock(fd: int, path: str) -> None:
-    """Take the flock, polling, saying what it waits for, and giving up after the bound."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return
-    except BlockingIOError:
-        pass
-    bound, start = _wait_bound(), time.monotonic()
-    entry = path.removesuffix(".lock")
-    logger.info("statefulset: waiting for another process that is building %s", entry)
-    pause, reported = 0.01, start
-    while True:
-        time.sleep(pause)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        now = time.monotonic()
-        if now - start >= bound:
-            raise StatefulsetError(
-                f"{entry}: waited {bound:g} s for another process building this index (it holds {path}, "
-                "and is alive: a dead one's lock is released); check that process, or raise STATEFULSET_CACHE_WAIT"
-            )
-        if now - reported >= _REPORT_EVERY_S:
-            reported = now
-            logger.warning("statefulset: still waiting (%.0f s) for another process building %s", now - start, entry)
-        pause = min(pause * 2, 1.0, max(bound - (now - start), 0.001))
-
-
 def _temp_prefix(path: str) -> str:
     return ".tmp-" + os.path.basename(path) + "-"
 
@@ -158,7 +89,7 @@ class IndexCache:
         except OSError as exc:
             logger.warning("statefulset: cannot create cache folder %s (%s); building in memory", self.root, exc)
             return build()
-        with _locked(path + ".lock") as held:
+        with exclusive(path + ".lock", path, "building this index") as held:
             found = self._load(path, description)  # another process may have finished while we waited
             if found is not None:
                 return found

@@ -11,7 +11,8 @@ import numpy
 from statefulset.errors import SequenceIndexError, StatefulsetError
 from statefulset.shards import idx_format
 from statefulset.shards.facts import recall, remember
-from statefulset.shards.storage import ShardFile
+from statefulset.shards.index_copies import index_copy
+from statefulset.shards.storage import ShardFile, local_path, map_file
 
 
 def _prefix_str(path_prefix: str | os.PathLike[str]) -> str:
@@ -48,8 +49,10 @@ class IndexedDataset:
     stay valid after the dataset is gone. Pickling sends only the path, so worker processes
     reopen the files instead of copying them.
 
-    Paths may be fsspec URLs (``memory://``, ``s3://`` ...; ``file://`` is memory-mapped);
-    remote ``.bin`` files are read with one ranged request per read.
+    Paths may be fsspec URLs (``s3://``, ``gs://``, ``memory://`` ...; ``file://`` is
+    memory-mapped). A remote ``.idx`` is used from this node's local copy
+    (:mod:`statefulset.shards.index_copies`); a remote ``.bin`` is read by ranged requests, one
+    batched, concurrent call per :meth:`gather` (:mod:`statefulset.shards.remote`).
     """
 
     def __init__(
@@ -67,26 +70,45 @@ class IndexedDataset:
 
     def _open(self, validate: bool) -> None:
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
-        idx_file = ShardFile(idx_path, self.storage_options)
-        self._bin_file = ShardFile(bin_path, self.storage_options)
-        # A file version that passed every check once needs only the O(1) checks again.
         kind = "verified-multimodal" if self.multimodal else "verified"
-        full = validate and not recall(kind, idx_path, bin_path)
+        if local_path(idx_path) is not None:
+            idx_file = ShardFile(idx_path, self.storage_options)
+            self._bin_file = ShardFile(bin_path, self.storage_options)
+            # A file version that passed every check once needs only the O(1) checks again.
+            full = validate and not recall(kind, idx_path, bin_path)
+            buffer, idx_size, copy = idx_file.map(), idx_file.size, None
+        else:
+            # Remote: the index is read at random by every lookup, so it is used from this
+            # node's local copy, which also remembers that it passed the full check.
+            self._bin_file = ShardFile(bin_path, self.storage_options)
+            copy = index_copy(idx_path, self.storage_options)
+            buffer = map_file(copy.path)
+            idx_size = len(buffer)
+            full = validate and not copy.verified
         arrays = idx_format.decode_index(
-            idx_file.map(),
-            idx_size=idx_file.size,
+            buffer,
+            idx_size=idx_size,
             bin_size=self._bin_file.size,
             multimodal=self.multimodal,
             path=idx_path,
             bin_path=bin_path,
             full=full,
         )
-        if full:
+        if full and copy is not None:
+            copy.mark_verified()
+        elif full:
             remember(kind, idx_path, bin_path, value=True)
         self._arrays = arrays
+        # The content digest of a remote index comes free with its local copy.
+        self.known_digest: str | None = copy.digest if copy is not None else None
         self.dtype: numpy.dtype = arrays.header.dtype
         self._itemsize = self.dtype.itemsize
         self._bin_buffer = self._bin_file.map() if self._bin_file.is_local else None
+
+    @property
+    def is_remote(self) -> bool:
+        """True when the ``.bin`` is on object storage (read by ranged requests)."""
+        return not self._bin_file.is_local
 
     # -- pickling: the path, never the data ------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -271,10 +293,10 @@ class IndexedDataset:
             self._gather_short(starts, counts, out)
 
     def _gather_remote(self, starts: list[int], counts: list[int], out: numpy.ndarray) -> None:
-        at = 0
-        for s, n in zip(starts, counts, strict=True):
-            out[at : at + n] = self._read(s * self._itemsize, n)
-            at += n
+        # One call for the whole batch: the storage layer coalesces and overlaps the requests.
+        item = self._itemsize
+        parts = self._bin_file.read_ranges([s * item for s in starts], [n * item for n in counts])
+        out[:] = numpy.frombuffer(b"".join(parts), self.dtype)
 
     def _gather_short(self, starts: numpy.ndarray, counts: numpy.ndarray, out: numpy.ndarray) -> None:
         # Position i of out reads token (start of its range) + (i - first output slot of its range).

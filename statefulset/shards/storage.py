@@ -1,8 +1,10 @@
-"""Where shard bytes come from: a local memory map, or ranged reads through fsspec.
+"""Where shard bytes come from: a local memory map, or ranged reads from object storage.
 
 Plain paths and ``file://`` URLs are memory-mapped (zero-copy, shared page cache across
-worker processes). Any other fsspec URL (``memory://``, ``s3://``, ``gs://`` ...) is read
-with ranged requests, so a reader never downloads a whole ``.bin``.
+worker processes). Any other fsspec URL (``s3://``, ``gs://``, ``memory://`` ...) is a
+:class:`~statefulset.shards.remote.RemoteFile`: batched, concurrent ranged reads, retried on
+transient faults, and a client per process. A remote ``.idx`` is used through its local copy
+(:mod:`statefulset.shards.index_copies`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,34 @@ import stat
 from typing import IO, Any
 
 from statefulset.errors import StatefulsetError
+from statefulset.shards.remote import RemoteFile, open_filesystem
 
 
-def _is_url(path: str) -> bool:
-    return "://" in path
+def local_path(path: str) -> str | None:
+    """The local file behind ``path`` (a plain path or a ``file://`` URL), or None for object storage."""
+    if "://" not in path:
+        return path
+    if not path.startswith(("file://", "local://")):
+        return None
+    from fsspec.implementations.local import LocalFileSystem
+
+    fs, fs_path = open_filesystem(path, None)
+    return fs_path if isinstance(fs, LocalFileSystem) else None
+
+
+def map_file(path: str) -> mmap.mmap | bytes:
+    """A local file as a read-only buffer (an mmap; ``b""`` when empty, which mmap refuses).
+
+    The mmap is never closed explicitly: numpy views keep it alive, so arrays handed to users
+    stay valid after the dataset object is gone.
+    """
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return b""
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise StatefulsetError(f"{path}: cannot map: {exc}") from exc
 
 
 class ShardFile:
@@ -24,78 +50,59 @@ class ShardFile:
 
     def __init__(self, path: str, storage_options: dict[str, Any] | None = None) -> None:
         self.path = path
-        self._fs = None
-        self._local: str | None = None
-        if _is_url(path):
-            import fsspec
-            from fsspec.implementations.local import LocalFileSystem
-
-            try:
-                fs, fs_path = fsspec.core.url_to_fs(path, **(storage_options or {}))
-            except (ValueError, ImportError) as exc:
-                raise StatefulsetError(f"{path}: cannot open this URL with fsspec: {exc}") from exc
-            if isinstance(fs, LocalFileSystem):
-                self._local = fs_path
-            else:
-                self._fs, self._remote = fs, fs_path
-        else:
-            self._local = path
+        self._local = local_path(path)
+        self.remote: RemoteFile | None = None
+        if self._local is None:
+            self.remote = RemoteFile(path, storage_options)
+            self.size = self.remote.size
+            return
         try:
-            if self._local is not None:
-                info = os.stat(self._local)
-                if not stat.S_ISREG(info.st_mode):
-                    raise StatefulsetError(f"{path}: not a regular file")
-                self.size = info.st_size
-            else:
-                self.size = int(self._fs.size(self._remote))
+            info = os.stat(self._local)
         except FileNotFoundError:
             raise StatefulsetError(f"{path}: no such file") from None
         except OSError as exc:
             raise StatefulsetError(f"{path}: cannot read: {exc}") from exc
+        if not stat.S_ISREG(info.st_mode):
+            raise StatefulsetError(f"{path}: not a regular file")
+        self.size = info.st_size
 
     @property
     def is_local(self) -> bool:
         return self._local is not None
 
     def map(self) -> mmap.mmap | bytes:
-        """The whole file as a buffer: a read-only mmap when local, bytes when remote.
-
-        The mmap is never closed explicitly: numpy views keep it alive, so arrays handed to
-        users stay valid after the dataset object is gone.
-        """
+        """The whole file as a buffer: a read-only mmap when local, bytes when remote."""
         if self._local is None:
             return self.read(0, self.size)
-        if self.size == 0:
-            return b""  # mmap refuses empty files
-        try:
-            with open(self._local, "rb") as f:
-                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as exc:
-            raise StatefulsetError(f"{self.path}: cannot map: {exc}") from exc
+        return map_file(self._local)
 
     def open(self) -> IO[bytes]:
         """A binary file object for streaming the whole file."""
+        if self.remote is not None:
+            return self.remote.open()
         try:
-            if self._local is not None:
-                return open(self._local, "rb")
-            return self._fs.open(self._remote, "rb")
+            return open(self._local, "rb")  # type: ignore[arg-type]
         except OSError as exc:
             raise StatefulsetError(f"{self.path}: cannot open: {exc}") from exc
 
     def read(self, offset: int, nbytes: int) -> bytes:
-        if nbytes == 0:
-            return b""
+        return self.read_ranges([offset], [nbytes])[0] if nbytes else b""
+
+    def read_ranges(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
+        """The bytes of each range (remote: coalesced, concurrent requests)."""
+        if self.remote is not None:
+            return self.remote.read_ranges(offsets, sizes)
+        out = []
         try:
-            if self._local is not None:
-                with open(self._local, "rb") as f:
+            with open(self._local, "rb") as f:  # type: ignore[arg-type]
+                for offset, nbytes in zip(offsets, sizes, strict=True):
                     f.seek(offset)
-                    data = f.read(nbytes)
-            else:
-                data = self._fs.cat_file(self._remote, start=offset, end=offset + nbytes)
+                    out.append(f.read(nbytes))
         except OSError as exc:
-            raise StatefulsetError(f"{self.path}: read of {nbytes} bytes at {offset} failed: {exc}") from exc
-        if len(data) != nbytes:
-            raise StatefulsetError(
-                f"{self.path}: read of {nbytes} bytes at {offset} returned {len(data)}: file truncated?"
-            )
-        return data
+            raise StatefulsetError(f"{self.path}: read failed: {exc}") from exc
+        for data, offset, nbytes in zip(out, offsets, sizes, strict=True):
+            if len(data) != nbytes:
+                raise StatefulsetError(
+                    f"{self.path}: read of {nbytes} bytes at {offset} returned {len(data)}: file truncated?"
+                )
+        return out

@@ -109,6 +109,8 @@ class DatasetSpec(BaseModel):
     packing: Literal["megatron", "native"] = "megatron"
     num_samples: int | None = None
     path_to_cache: str | None = None
+    # Handed to fsspec for every URL of the spec (endpoint_url, profile, key/secret, client_kwargs ...).
+    storage_options: dict[str, Any] | None = None
     train: SplitSpec | None = None
     valid: SplitSpec | None = None
     test: SplitSpec | None = None
@@ -273,12 +275,7 @@ def _check_shards(spec: DatasetSpec) -> None:
 
 
 def _exists(path: str) -> bool:
-    if "://" not in path:
-        return os.path.exists(path)
-    import fsspec
-
-    try:
-        fs, fs_path = fsspec.core.url_to_fs(path)
-        return bool(fs.exists(fs_path))
-    except (ValueError, ImportError, OSError):
-        return False
+    # Object-storage URLs are checked when the stream opens them, where a missing object, a
+    # missing fsspec backend, refused credentials and an unreachable endpoint each get their own
+    # message (statefulset.shards.remote); asking here would cost requests and say less.
+    return "://" in path or os.path.exists(path)

@@ -76,7 +76,7 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     data_key = spec.data_key(split)
     for prefix, _ in live:
         with spec.blame(data_key):
-            dataset = IndexedDataset(prefix)
+            dataset = IndexedDataset(prefix, storage_options=spec.storage_options)
         lo_hi = split_range(bookends, len(dataset))
         if lo_hi is None or lo_hi[1] <= lo_hi[0]:
             if per_split:
@@ -87,7 +87,7 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         datasets.append(dataset)
         ranges.append(lo_hi)
         with spec.blame(data_key):
-            digests.append(shard_digest(prefix, memo))
+            digests.append(dataset.known_digest or shard_digest(prefix, memo))
     identity = {
         "packing": spec.packing,
         "split": split,

@@ -1,0 +1,137 @@
+"""Failures of object-storage requests: which ones a retry can fix, and what to tell the user.
+
+Object stores fail transiently all the time at scale (throttling, 5xx, reset connections,
+timeouts). Those are retried with exponential backoff and jitter, within a bound on attempts
+and on total time; everything else (a missing object, refused credentials, an endpoint that
+stays unreachable) becomes a :class:`StatefulsetError` naming the URL and the cause.
+
+Settings (environment, read per call so tests and launchers can set them):
+
+- ``STATEFULSET_STORAGE_RETRIES``: attempts after the first (default 6);
+- ``STATEFULSET_STORAGE_RETRY_SECONDS``: the whole budget for one request's retries (default 120).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from statefulset.errors import StatefulsetError
+
+log = logging.getLogger("statefulset")
+T = TypeVar("T")
+
+DEFAULT_RETRIES = 6
+DEFAULT_RETRY_SECONDS = 120.0
+_FIRST_BACKOFF = 0.1
+_MAX_BACKOFF = 10.0
+
+# Exception classes named by name: botocore, aiohttp and urllib3 are optional imports.
+_TRANSIENT_NAMES = {
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "ConnectionClosedError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+    "IncompleteRead",
+    "ProtocolError",
+    "ServerDisconnectedError",
+    "ClientPayloadError",
+    "ClientOSError",
+    "ServerTimeoutError",
+    "EndpointConnectionError",
+}
+_CREDENTIALS_NAMES = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "ProfileNotFound"}
+# errno values s3fs gives 5xx and throttling answers (InternalError, SlowDown, ServiceUnavailable).
+_TRANSIENT_ERRNOS = {errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO), errno.EAGAIN, errno.ETIMEDOUT}
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures a later attempt may not meet: timeouts, resets, throttling, 5xx."""
+    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
+        return False
+    names = _names(exc)
+    if names & _CREDENTIALS_NAMES:
+        return False
+    if names & _TRANSIENT_NAMES or isinstance(exc, TimeoutError | ConnectionError):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return True
+    text = str(exc)
+    return any(code in text for code in ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500 "))
+
+
+def describe(url: str, exc: BaseException, attempts: int = 1) -> StatefulsetError:
+    """The error a user reads: the URL, what went wrong in words, the library's own message."""
+    names = _names(exc)
+    cause = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    tried = f" (after {attempts} attempts)" if attempts > 1 else ""
+    if isinstance(exc, FileNotFoundError) or "NoSuchKey" in str(exc) or "NoSuchBucket" in str(exc):
+        what = "no such object (or no such bucket)"
+    elif names & _CREDENTIALS_NAMES:
+        what = (
+            "no usable credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or give "
+            "storage_options (key, secret, profile) in the spec"
+        )
+    elif isinstance(exc, PermissionError):
+        what = "access refused: the credentials are wrong or lack permission for this object"
+    elif "EndpointConnectionError" in names or isinstance(exc, ConnectionRefusedError):
+        what = "the endpoint is unreachable: check endpoint_url / AWS_ENDPOINT_URL and the network"
+    elif is_transient(exc):
+        what = "the storage kept failing transiently"
+    else:
+        what = "the request failed"
+    return StatefulsetError(f"{url}: {what}{tried}; cause: {cause}")
+
+
+def _setting(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise StatefulsetError(f"environment variable {name}={raw!r}: must be a number") from None
+    if value < 0:
+        raise StatefulsetError(f"environment variable {name}={raw!r}: must be >= 0")
+    return value
+
+
+def retry_policy() -> tuple[int, float]:
+    """(retries after the first attempt, total seconds) from the environment."""
+    return int(_setting("STATEFULSET_STORAGE_RETRIES", DEFAULT_RETRIES)), _setting(
+        "STATEFULSET_STORAGE_RETRY_SECONDS", DEFAULT_RETRY_SECONDS
+    )
+
+
+def with_retries(url: str, call: Callable[[], T], what: str = "read") -> T:
+    """``call()``, retried on transient failures with capped exponential backoff and full jitter."""
+    retries, budget = retry_policy()
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return call()
+        except StatefulsetError:
+            raise
+        except Exception as exc:
+            elapsed = time.monotonic() - started
+            if not is_transient(exc) or attempt > retries or elapsed >= budget:
+                raise describe(url, exc, attempt) from exc
+            pause = min(_MAX_BACKOFF, _FIRST_BACKOFF * 2 ** (attempt - 1), max(0.0, budget - elapsed))
+            pause = random.uniform(pause / 2, pause)
+            log.warning(
+                "statefulset: %s of %s failed (%s: %s); retry %d of %d in %.2f s",
+                what, url, type(exc).__name__, exc, attempt, retries, pause,
+            )  # fmt: skip
+            time.sleep(pause)
