@@ -36,16 +36,36 @@ def missing_backend(url: str, exc: BaseException) -> StatefulsetError:
     return StatefulsetError(f"{url}: cannot open this URL: {hint} ({type(exc).__name__}: {exc})")
 
 
+def client_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` with statefulset's defaults for S3 filled in where the user set nothing.
+
+    statefulset retries (:mod:`statefulset.shards.faults`, bounded in attempts and seconds), so
+    s3fs's own retries (5, up to 15 s apart) and botocore's (4 more under each of those) are
+    switched off: stacked, they turned one persistent 503 into a two-minute wait. A connection
+    attempt gives up after 10 s instead of botocore's 60 s.
+    """
+    options = dict(storage_options or {})
+    if url.split("://", 1)[0] in _S3_SCHEMES:
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1})
+        config.setdefault("connect_timeout", 10)
+        options["config_kwargs"] = config
+    return options
+
+
 def open_filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
     """``(filesystem, path)`` for ``url``, or a StatefulsetError saying what to install or fix."""
     import fsspec
 
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(url, **client_options(url, storage_options))
     except ImportError as exc:
         raise missing_backend(url, exc) from exc
     except (ValueError, TypeError) as exc:
         raise StatefulsetError(f"{url}: cannot open this URL with fsspec (storage_options?): {exc}") from exc
+    if url.split("://", 1)[0] in _S3_SCHEMES and hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs takes no constructor argument for it; see client_options
+    return fs, path
 
 
 def coalesce(offsets: list[int], sizes: list[int], gap: int = MERGE_GAP) -> tuple[list[tuple[int, int]], list[int]]:
