@@ -141,7 +141,7 @@ def test_index_downloaded_once_per_node(server, shards, remote_cache):
     assert outs.count(b"False\n") == 3  # each found the copy (one process downloaded it under the lock)
     copies = [f for f in os.listdir(remote_cache) if f.endswith(".idx")]
     assert len(copies) == 1
-    assert open(remote_cache / copies[0], "rb").read() == (shards / "web.idx").read_bytes()
+    assert (remote_cache / copies[0]).read_bytes() == (shards / "web.idx").read_bytes()
 
 
 def test_requests_are_batched(server, shards, remote_cache):
