@@ -1,80 +1,110 @@
 """``get_savable_loader`` / ``get_loader``: micro-batches from worker processes, in order, savable at any step.
 
 Worker ``w`` of ``N`` builds batches ``t ≡ w (mod N)`` of this rank's layout, each with one
-batched ``stream.gather``; ``torch.utils.data.DataLoader`` delivers them round-robin, which is
-batch order. The main process counts the batches it hands to the trainer, so a save is that
-count plus the layout (:mod:`statefulset.loading.state`): it never counts prefetched batches, never asks
-a worker anything, and a restore is a seek (no replay), whatever the step.
+batched ``stream.gather`` into a shared-memory ring (:mod:`statefulset.loading.batches`);
+``torch.utils.data.DataLoader`` delivers them round-robin, which is batch order, under a
+watchdog (:mod:`statefulset.loading.watchdog`). The main process counts the batches it hands
+to the trainer, so a save is that count plus the layout (:mod:`statefulset.loading.state`): it
+never counts prefetched batches, never asks a worker anything, and a restore is a seek (no
+replay), whatever the step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 
 from statefulset.errors import StatefulsetError, check_int
 from statefulset.index.native.keys import derive_key
+from statefulset.loading.batches import BatchRing, BatchSource, bundle_size, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.state import Cursor, fit_global_state, fit_rank_state, make_state
+from statefulset.loading.watchdog import TimedOut, Watchdog
 from statefulset.loading.worker_config import WorkerConfig
 from statefulset.parallel.arrival import DEFAULT_TIMEOUT, check_timeout, meet
-from statefulset.streams.base import SampleStream
 
 
-class _Batches(IterableDataset):
-    """Batches ``start, start+1, ...`` (before ``stop``) of a cursor's layout, split over workers."""
-
-    def __init__(self, stream: SampleStream, cursor: Cursor, stop: int | None, wrap: int | None) -> None:
-        self.stream = stream
-        self.cursor = cursor
-        self.stop = stop
-        self.wrap = wrap
-
-    def __iter__(self):
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        t = self.cursor.batches + worker
-        while self.stop is None or t < self.stop:
-            positions = self.cursor.positions(t)
-            read = positions % self.wrap if self.wrap else positions
-            # One buffer per batch (rows, then sample ids): a worker hands over one shared-memory
-            # tensor instead of two, which halves the receive cost that bounds multi-worker loading.
-            rows = positions.size * (self.stream.seq_length + 1)
-            packed = numpy.empty(rows + positions.size, dtype=numpy.int64)
-            self.stream.gather(read, out=packed[:rows].reshape(positions.size, -1))
-            packed[rows:] = positions
-            yield torch.from_numpy(packed)
-            t += workers
+def _identity(item: Any) -> Any:
+    return item  # batches are (worker, slot, t) notes or ready tensors: nothing to collate
 
 
-def _unpack(packed: torch.Tensor, batch_size: int) -> dict[str, torch.Tensor]:
-    """Contiguous views of one batch buffer: ``text`` [B, S+1] and ``sample_id`` [B]."""
-    rows = packed.numel() - batch_size
-    return {"text": packed[:rows].view(batch_size, -1), "sample_id": packed[rows:]}
-
-
-def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]) -> DataLoader:
+def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]) -> tuple[DataLoader, BatchSource]:
     stream = dataset.stream
     wrap = None if stream.unbounded or not dataset.repeat else len(stream)
     workers = dataset.worker_config.num_workers
+    ring = None
+    if workers:
+        slots = options["prefetch_factor"] + 1  # see statefulset.loading.batches
+        width = stream.seq_length + 1
+        bundle = bundle_size(dataset.batch_size, width, stream.token_dtype)
+        ring = BatchRing(workers, slots, dataset.batch_size, width, stream.token_dtype, bundle)
+    source = BatchSource(stream, cursor, dataset.stop_batch(cursor), wrap, ring)
     # Worker seeds come from our own generator: creating the iterator never draws from (or
     # reseeds) the trainer's global torch RNG.
     seed = derive_key(stream.spec.seed, dataset.worker_config.seed_offset, dataset.worker_config.rank) >> 1
-    return DataLoader(
-        _Batches(stream, cursor, dataset.stop_batch(cursor), wrap),
+    loader = DataLoader(
+        source,
         batch_size=None,
+        collate_fn=_identity,
         num_workers=workers,
-        pin_memory=options["pin_memory"],
         prefetch_factor=options["prefetch_factor"] if workers else None,
         persistent_workers=options["persistent_workers"] and workers > 0,
         multiprocessing_context=options["multiprocessing_context"] if workers else None,
-        timeout=options["timeout"] if workers else 0,
         generator=torch.Generator().manual_seed(seed),
     )
+    return loader, source
+
+
+class _Delivery:
+    """One pass of a DataLoader: batches in order, watched, widened, pinned if asked."""
+
+    def __init__(self, dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]) -> None:
+        self.loader, self.source = _data_loader(dataset, cursor, options)
+        self.workers = dataset.worker_config.num_workers
+        self.iterator = iter(self.loader)
+        self.watchdog: Watchdog = options["watchdog"]
+        self.timeout = options["timeout"]
+        self.pin = options["pin_memory"] and torch.cuda.is_available()
+        self.next_t = cursor.batches
+        self.first = True
+        self.ready: list[dict[str, torch.Tensor]] = []  # the rest of a worker's bundle, last first
+        self.ready: list[dict[str, torch.Tensor]] = []
+
+    def _get(self, period: float | None) -> Any:
+        if not self.workers:
+            return next(self.iterator)
+        # DataLoader reads its timeout for each batch; a timed-out wait leaves the iterator intact.
+        limits = [x for x in (period, self.timeout or None) if x]
+        self.iterator._timeout = min(limits) if limits else 0
+        try:
+            return next(self.iterator)
+        except RuntimeError as exc:
+            text = str(exc)
+            if "timed out" in text and period is not None and (not self.timeout or period < self.timeout):
+                raise TimedOut from None
+            if "exited unexpectedly" in text or "timed out" in text:
+                raise StatefulsetError(f"{describe_batch(self.source, self.next_t, self.workers)}: {text}") from exc
+            raise
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if not self.ready:
+            item = self.watchdog.wait(
+                self._get, self.first, lambda: describe_batch(self.source, self.next_t, self.workers)
+            )
+            self.ready = receive(self.source, item, self.next_t)
+            self.ready.reverse()
+        batch = self.ready.pop()
+        self.next_t += 1
+        self.first = False
+        if self.pin:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch
+
+    def __iter__(self) -> _Delivery:
+        return self
 
 
 def _options(
@@ -83,6 +113,7 @@ def _options(
     persistent_workers: bool = True,
     multiprocessing_context: Any = None,
     timeout: float = 0,
+    watchdog: Watchdog | None = None,
 ) -> dict[str, Any]:
     if isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int) or prefetch_factor < 1:
         raise StatefulsetError(f"prefetch_factor must be a positive int, got {prefetch_factor!r}")
@@ -92,6 +123,7 @@ def _options(
         "persistent_workers": bool(persistent_workers),
         "multiprocessing_context": multiprocessing_context,
         "timeout": timeout,
+        "watchdog": watchdog or Watchdog(None),
     }
 
 
@@ -101,11 +133,10 @@ class Loader:
     def __init__(self, dataset: StreamDataset, **options: Any) -> None:
         self.dataset = dataset
         self.worker_config = dataset.worker_config
-        self._loader = _data_loader(dataset, dataset.layout(), _options(**options))
+        self._options = _options(**options)
 
     def __iter__(self):
-        batch_size = self.dataset.batch_size
-        return (_unpack(packed, batch_size) for packed in self._loader)
+        return _Delivery(self.dataset, self.dataset.layout(), self._options)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -134,13 +165,13 @@ class SavableLoader:
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> SavableLoader:
         if self._iterator is None:
-            self._iterator = iter(_data_loader(self.dataset, self._cursor, self._options))
+            self._iterator = _Delivery(self.dataset, self._cursor, self._options)
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._iterator is None:
             iter(self)
-        batch = _unpack(next(self._iterator), self.dataset.batch_size)
+        batch = next(self._iterator)
         self._taken += 1
         return batch
 
@@ -320,7 +351,10 @@ def get_savable_loader(
 ) -> SavableLoader:
     """A loader whose state saves and restores exactly (Energon's signature).
 
-    The checkpoint_* / n_checkpoints / gc / watchdog keywords exist because Energon replays from
+    The watchdog keywords are Energon's (:mod:`statefulset.loading.watchdog`): after
+    ``watchdog_timeout_seconds`` (default 60) without a batch, a warning names the worker, the
+    micro-batch and the files; ``fail_on_timeout=True`` raises instead; after 10 periods it always
+    raises. The checkpoint_* / n_checkpoints / gc keywords exist because Energon replays from
     periodic worker snapshots; a state here is a cursor, so they have nothing to tune.
     ``collective_timeout`` bounds the wait of ``save_state_global`` / ``restore_state_global`` for
     the other DP ranks (seconds, default 300; see :class:`SavableLoader`).
@@ -329,6 +363,7 @@ def get_savable_loader(
     return SavableLoader(
         dataset,
         collective_timeout=collective_timeout,
+        watchdog=Watchdog(watchdog_timeout_seconds, watchdog_initial_timeout_seconds, fail_on_timeout),
         prefetch_factor=prefetch_factor,
         pin_memory=pin_memory,
         persistent_workers=persistent_workers,
@@ -355,6 +390,7 @@ def get_loader(
     _check_config(dataset, worker_config)
     return Loader(
         dataset,
+        watchdog=Watchdog(watchdog_timeout_seconds, watchdog_initial_timeout_seconds, fail_on_timeout),
         prefetch_factor=prefetch_factor,
         pin_memory=pin_memory,
         persistent_workers=persistent_workers,

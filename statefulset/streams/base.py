@@ -46,6 +46,10 @@ class SampleStream:
         # How a worker process reopens this stream (streams.opening sets it; a base class cannot
         # import the module that opens its subclasses).
         self.reopen: Any = None
+        # Set by streams.opening: the narrowest dtype holding every source's tokens (what batches
+        # travel in between processes), and whether any source is read from object storage.
+        self.token_dtype = numpy.dtype(numpy.int64)
+        self.remote = False
 
     def __len__(self) -> int:
         return self._length
@@ -67,7 +71,10 @@ class SampleStream:
         return explain(self, position, tokenizer)
 
     def gather(self, positions: Any, out: numpy.ndarray | None = None) -> numpy.ndarray:
-        """The samples at ``positions`` as one int64 array ``[len(positions), seq_length + 1]``."""
+        """The samples at ``positions`` as one int64 array ``[len(positions), seq_length + 1]``.
+
+        ``out`` may also have a narrower dtype that holds every token (``token_dtype``).
+        """
         p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
         if p.size and (int(p.min()) < 0 or (not self.unbounded and int(p.max()) >= self._length)):
             bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
@@ -78,8 +85,15 @@ class SampleStream:
         width = self.seq_length + EXTRA
         if out is None:
             out = numpy.empty((p.size, width), dtype=numpy.int64)
-        elif out.shape != (p.size, width) or out.dtype != numpy.int64 or not out.flags.c_contiguous:
-            raise StatefulsetError(f"gather: out must be C-contiguous int64 {(p.size, width)}, got {out.shape}")
+        elif (
+            out.shape != (p.size, width)
+            or not out.flags.c_contiguous
+            or not numpy.can_cast(self.token_dtype, out.dtype, "safe")
+        ):
+            raise StatefulsetError(
+                f"gather: out must be C-contiguous {(p.size, width)} of a dtype holding {self.token_dtype}, "
+                f"got {out.shape} {out.dtype}"
+            )
         if p.size:
             self._fill(p, out)
         return out
@@ -100,7 +114,7 @@ def _fill_by_source(which: numpy.ndarray, local: numpy.ndarray, out: numpy.ndarr
         return
     for d in present:
         rows = numpy.flatnonzero(which == d)
-        block = numpy.empty((rows.size, out.shape[1]), dtype=numpy.int64)
+        block = numpy.empty((rows.size, out.shape[1]), dtype=out.dtype)
         sources[d].fill(local[rows], block)
         out[rows] = block
 

@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy
+
 from statefulset.errors import StatefulsetError
 from statefulset.index.cache import builds as cache_builds
 from statefulset.shards.digests import shard_digest
@@ -105,5 +107,10 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     identity["data"] = hashlib.blake2b(sources_text.encode(), digest_size=12).hexdigest()
     opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests)
     if spec.packing == "native":
-        return open_native(spec, split, identity, opened)
-    return open_megatron(spec, split, identity, opened)
+        stream: SampleStream = open_native(spec, split, identity, opened)
+    else:
+        stream = open_megatron(spec, split, identity, opened)
+    # Batches travel between processes in the narrowest dtype that holds every source's tokens.
+    stream.token_dtype = numpy.result_type(*[d.dtype for d in datasets])
+    stream.remote = any(d.is_remote for d in datasets)
+    return stream

@@ -1,0 +1,68 @@
+"""Energon's watchdog keywords, honoured: a loader that delivers no batch for too long says so.
+
+``watchdog_timeout_seconds`` (default 60): after that long without a batch, a warning names
+the worker, the micro-batch it was building and the files it reads; it repeats every period.
+``fail_on_timeout=True`` raises a ``StatefulsetError`` with the same text at the first period
+instead. Either way the wait is bounded: after ``HARD_PERIODS`` periods (10 minutes at the
+default) the loader raises, since a worker silent that long is stuck, not slow.
+``watchdog_initial_timeout_seconds`` is the period for the first batch of an iterator (worker
+start-up, cold caches); None means the same as ``watchdog_timeout_seconds``. A timeout of None
+turns the watchdog off (the wait is then bounded only by storage timeouts and retries).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from statefulset.errors import StatefulsetError
+
+log = logging.getLogger("statefulset")
+T = TypeVar("T")
+HARD_PERIODS = 10
+
+
+class TimedOut(Exception):
+    """Raised by a ``wait`` callable when its period passed without a result."""
+
+
+def _positive(name: str, value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise StatefulsetError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return float(value)
+
+
+class Watchdog:
+    def __init__(
+        self, timeout: float | None, initial_timeout: float | None = None, fail_on_timeout: bool = False
+    ) -> None:
+        self.timeout = _positive("watchdog_timeout_seconds", timeout)
+        self.initial_timeout = _positive("watchdog_initial_timeout_seconds", initial_timeout)
+        self.fail_on_timeout = bool(fail_on_timeout)
+
+    def period(self, first: bool) -> float | None:
+        if self.timeout is None:
+            return None
+        return self.initial_timeout if first and self.initial_timeout is not None else self.timeout
+
+    def wait(self, get: Callable[[float | None], T], first: bool, what: Callable[[], str]) -> T:
+        """``get(period)`` until it returns; ``what()`` describes the awaited batch for the report."""
+        waited = 0.0
+        periods = 0
+        while True:
+            period = self.period(first and periods == 0)
+            try:
+                return get(period)
+            except TimedOut:
+                waited += period or 0.0
+                periods += 1
+            text = f"no batch for {waited:.0f} s: {what()}"
+            if self.fail_on_timeout or periods >= HARD_PERIODS:
+                raise StatefulsetError(
+                    f"watchdog: {text}"
+                    + ("" if self.fail_on_timeout else f" (gave up after {HARD_PERIODS} watchdog periods)")
+                )
+            log.warning("statefulset watchdog: %s; still waiting (fail_on_timeout=True raises instead)", text)
