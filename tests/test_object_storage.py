@@ -249,3 +249,55 @@ def test_without_s3fs_the_message_names_the_extra(shards, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert "key 'data_path'" in out.stdout and "s3://b/web.bin" in out.stdout, out.stdout + out.stderr
     assert "pip install 'statefulset[s3]'" in out.stdout
+
+
+class TestWorkers:
+    """A stalled request trips the watchdog; a failing one is one clear error in the trainer."""
+
+    @pytest.fixture
+    def behind_proxy(self, server, shards, remote_cache):
+        with proxy(server) as p:
+            opts = {**server.options(), "endpoint_url": p.endpoint, "config_kwargs": {"read_timeout": 300}}
+            spec = {"data_path": f"s3://{BUCKET}/shards/web", "seq_length": 64, "split": "100,0,0", "packing": "native"}
+            spec["storage_options"] = opts
+            yield p, spec
+
+    def _loader(self, spec, **kwargs):
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=1)
+        return get_savable_loader(
+            get_train_dataset(spec, batch_size=4, worker_config=wc), multiprocessing_context="fork", **kwargs
+        )
+
+    def test_stalled_request_trips_the_watchdog(self, behind_proxy, monkeypatch):
+        p, spec = behind_proxy
+        monkeypatch.setenv("STATEFULSET_READ_AHEAD", "1")
+        loader = self._loader(spec, watchdog_timeout_seconds=2, fail_on_timeout=True)
+        p.set(stall=-1)
+        start = time.monotonic()
+        with pytest.raises(StatefulsetError) as caught:
+            next(iter(loader))
+        assert time.monotonic() - start < 60
+        text = str(caught.value)
+        assert text.startswith("watchdog: no batch for 2 s: DataLoader worker 0 of 1 was building micro-batch 0")
+        assert "reading s3://corpus/shards/web.bin" in text
+
+    def test_without_fail_on_timeout_it_warns_then_gives_up(self, behind_proxy, caplog):
+        p, spec = behind_proxy
+        loader = self._loader(spec, watchdog_timeout_seconds=0.5)
+        p.set(stall=-1)
+        with caplog.at_level(logging.WARNING, logger="statefulset"), pytest.raises(StatefulsetError) as caught:
+            next(iter(loader))
+        assert "gave up after 10 watchdog periods" in str(caught.value)
+        assert "still waiting (fail_on_timeout=True raises instead)" in caplog.text
+
+    def test_a_failing_read_in_a_worker_is_one_clear_error(self, behind_proxy):
+        p, spec = behind_proxy
+        it = iter(self._loader(spec))
+        next(it)
+        p.set(deny=-1)
+        with pytest.raises(StatefulsetError) as caught:
+            for _ in range(200):
+                next(it)
+        text = str(caught.value)
+        assert text.startswith("DataLoader worker 0, building micro-batch ")
+        assert "s3://corpus/shards/web.bin: access refused" in text and "Traceback" not in text

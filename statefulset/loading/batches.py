@@ -161,8 +161,8 @@ def receive(source: BatchSource, item: Any, expected: int) -> list[dict[str, tor
     """The trainer's batches from what a worker (or the in-process source) handed over."""
     if item[0] == "error":
         _, worker, t, message = item
-        where = f"batch {t}" if t is not None else "its first batch"
-        raise StatefulsetError(f"DataLoader worker {worker}, building micro-batch {where}: {message}")
+        where = f"micro-batch {t}" if t is not None else "its first micro-batch"
+        raise StatefulsetError(f"DataLoader worker {worker}, building {where}: {message}")
     if item[0] == "bundle":
         _, worker, slot, t, count = item
         ring = source.ring
