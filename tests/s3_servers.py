@@ -107,7 +107,17 @@ def s3rver_server(folder: str) -> Iterator[Server]:
         raise RuntimeError("s3rver is not installed (npm install s3rver, then put it on PATH or set S3RVER_BIN)")
     port = free_port()
     proc = subprocess.Popen(
-        [*command, "--directory", folder, "--address", "127.0.0.1", "--port", str(port), "--silent"],
+        [
+            *command,
+            "--directory",
+            folder,
+            "--address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--silent",
+            "--allow-mismatched-signatures",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
