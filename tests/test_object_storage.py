@@ -49,6 +49,13 @@ def shards(tmp_path_factory, server):
     return root
 
 
+@pytest.fixture(params=["obstore", "s3fs"])
+def client(request, monkeypatch):
+    """Ranged reads through obstore (the default when installed) and through s3fs."""
+    monkeypatch.setenv("STATEFULSET_S3_CLIENT", request.param)
+    return request.param
+
+
 @pytest.fixture
 def remote_cache(tmp_path, monkeypatch):
     """A fresh node: no local copies of any .idx yet."""
@@ -88,7 +95,7 @@ def _batches(spec: dict, workers: int, steps: int = STEPS, context=None, state=N
 
 
 @pytest.mark.parametrize("packing", ["native", "megatron"])
-def test_batches_equal_local_files(packing, server, shards, remote_cache, tmp_path):
+def test_batches_equal_local_files(packing, client, server, shards, remote_cache, tmp_path):
     local = _spec(str(shards), packing, cache=tmp_path / "c1")
     remote = _spec(f"s3://{BUCKET}/shards", packing, server, cache=tmp_path / "c2")
     _, want, want_ids = _batches(local, 0)
@@ -144,7 +151,7 @@ def test_index_downloaded_once_per_node(server, shards, remote_cache):
     assert (remote_cache / copies[0]).read_bytes() == (shards / "web.idx").read_bytes()
 
 
-def test_requests_are_batched(server, shards, remote_cache):
+def test_requests_are_batched(client, server, shards, remote_cache):
     with proxy(server) as p:
         opts = {**server.options(), "endpoint_url": p.endpoint}
         spec = {"data_path": f"s3://{BUCKET}/shards/web", "seq_length": 64, "split": "100,0,0", "packing": "native"}
@@ -166,7 +173,7 @@ class TestFaults:
             spec["storage_options"] = opts
             yield p, spec
 
-    def test_transient_faults_are_retried(self, faulty, shards, caplog):
+    def test_transient_faults_are_retried(self, client, faulty, shards, caplog):
         p, spec = faulty
         stream = open_stream(spec)
         local = open_stream({**spec, "data_path": str(shards / "web"), "storage_options": None})
@@ -178,7 +185,7 @@ class TestFaults:
         p.set(latency=0.2)
         numpy.testing.assert_array_equal(stream.gather(numpy.arange(20)), want)
 
-    def test_persistent_503_gives_up_with_the_url(self, faulty, monkeypatch):
+    def test_persistent_503_gives_up_with_the_url(self, client, faulty, monkeypatch):
         p, spec = faulty
         stream = open_stream(spec)
         monkeypatch.setenv("STATEFULSET_STORAGE_RETRIES", "2")
@@ -290,7 +297,7 @@ class TestWorkers:
         assert "gave up after 10 watchdog periods" in str(caught.value)
         assert "still waiting (fail_on_timeout=True raises instead)" in caplog.text
 
-    def test_a_failing_read_in_a_worker_is_one_clear_error(self, behind_proxy):
+    def test_a_failing_read_in_a_worker_is_one_clear_error(self, client, behind_proxy):
         p, spec = behind_proxy
         it = iter(self._loader(spec))
         next(it)

@@ -47,6 +47,15 @@ _TRANSIENT_NAMES = {
     "EndpointConnectionError",
 }
 _CREDENTIALS_NAMES = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "ProfileNotFound"}
+# obstore's exception classes (statefulset.shards.obstore_client).
+_MISSING_NAMES = {"NotFoundError"}
+_REFUSED_NAMES = {"PermissionDeniedError", "UnauthenticatedError"}
+# What obstore's GenericError says for failures a retry can fix.
+_TRANSIENT_TEXT = (
+    "SlowDown", "ServiceUnavailable", "InternalError", "503", "500 ", "502", "504",
+    "error sending request", "connection closed", "Connection reset", "timed out", "operation timed out",
+    "dispatch failure", "IncompleteBody", "end of file before message length reached",
+)  # fmt: skip
 # errno values s3fs gives 5xx and throttling answers (InternalError, SlowDown, ServiceUnavailable).
 _TRANSIENT_ERRNOS = {errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO), errno.EAGAIN, errno.ETIMEDOUT}
 
@@ -60,14 +69,14 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
         return False
     names = _names(exc)
-    if names & _CREDENTIALS_NAMES:
+    if names & (_CREDENTIALS_NAMES | _MISSING_NAMES | _REFUSED_NAMES):
         return False
     if names & _TRANSIENT_NAMES or isinstance(exc, TimeoutError | ConnectionError):
         return True
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
     text = str(exc)
-    return any(code in text for code in ("SlowDown", "ServiceUnavailable", "InternalError", "503", "500 "))
+    return any(code in text for code in _TRANSIENT_TEXT)
 
 
 def describe(url: str, exc: BaseException, attempts: int = 1) -> StatefulsetError:
@@ -75,14 +84,14 @@ def describe(url: str, exc: BaseException, attempts: int = 1) -> StatefulsetErro
     names = _names(exc)
     cause = f"{type(exc).__name__}: {exc}".rstrip(": ")
     tried = f" (after {attempts} attempts)" if attempts > 1 else ""
-    if isinstance(exc, FileNotFoundError) or "NoSuchKey" in str(exc) or "NoSuchBucket" in str(exc):
+    if isinstance(exc, FileNotFoundError) or names & _MISSING_NAMES or "NoSuchKey" in str(exc):
         what = "no such object (or no such bucket)"
-    elif names & _CREDENTIALS_NAMES:
+    elif names & _CREDENTIALS_NAMES or "get_credentials" in str(exc):
         what = (
             "no usable credentials: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or give "
             "storage_options (key, secret, profile) in the spec"
         )
-    elif isinstance(exc, PermissionError):
+    elif isinstance(exc, PermissionError) or names & _REFUSED_NAMES:
         what = "access refused: the credentials are wrong or lack permission for this object"
     elif "EndpointConnectionError" in names or isinstance(exc, ConnectionRefusedError):
         what = "the endpoint is unreachable: check endpoint_url / AWS_ENDPOINT_URL and the network"

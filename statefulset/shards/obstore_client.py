@@ -1,0 +1,114 @@
+"""Ranged reads of ``s3://`` objects through obstore (Rust's ``object_store``), when it is installed.
+
+Measured on this project's 2-core machine against a loopback S3 server (docs/object-storage.md),
+s3fs spends ~2.8 ms of client CPU per ranged GET (botocore signs, parses and retries in Python),
+obstore ~0.4 ms. A training host's CPUs feed GPUs; a loader that needs one request per sample
+should not burn a core on them. So when ``obstore`` is importable (the ``s3`` extra installs it)
+and the spec's ``storage_options`` are ones it can honour, the ``.bin`` ranges of an ``s3://``
+object go through obstore; sizes, the ``.idx`` download and every other scheme stay on fsspec.
+
+The same configuration reaches both: the endpoint (``endpoint_url``, ``client_kwargs``, or
+``AWS_ENDPOINT_URL[_S3]``), the region, and credentials resolved by botocore exactly as s3fs
+would (``key``/``secret``/``token``, ``profile``, environment, config files, instance roles),
+refreshed through obstore's boto3 credential provider. ``STATEFULSET_S3_CLIENT=s3fs`` turns the
+fast path off.
+
+obstore runs a tokio runtime whose threads do not survive ``fork`` (a child that uses the
+parent's runtime hangs; obstore's maintainers say it is not fork-safe). So a process uses obstore
+only if no ancestor it was forked from had started it: DataLoader workers forked from a trainer
+that read through obstore (``num_workers=0`` before, ``ds[p]``) read through s3fs instead, and
+spawned workers, or workers of a trainer that never read a batch itself, use obstore.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# storage_options keys obstore can honour; with any other key the reads stay on s3fs.
+_MAPPABLE = {"endpoint_url", "key", "secret", "token", "anon", "profile", "client_kwargs", "config_kwargs"}
+_CLIENT_KWARGS = {"endpoint_url", "region_name"}
+
+
+# The pid of the process that started obstore's runtime (inherited by forked children).
+_started_in: int | None = None
+
+
+def usable() -> bool:
+    """False in a process forked from one that had started obstore's runtime."""
+    return _started_in is None or _started_in == os.getpid()
+
+
+def wanted(url: str, storage_options: dict[str, Any] | None) -> bool:
+    """True when ``url``'s ranged reads should go through obstore."""
+    if os.environ.get("STATEFULSET_S3_CLIENT", "").lower() == "s3fs":
+        return False
+    if not url.startswith(("s3://", "s3a://")):
+        return False
+    options = storage_options or {}
+    if set(options) - _MAPPABLE or set(options.get("client_kwargs") or {}) - _CLIENT_KWARGS:
+        return False
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _endpoint(options: dict[str, Any]) -> str | None:
+    return (
+        options.get("endpoint_url")
+        or (options.get("client_kwargs") or {}).get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+
+
+def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """``(store, key)`` for an ``s3://bucket/key`` URL."""
+    import botocore.session
+    from obstore.auth.boto3 import Boto3CredentialProvider
+    from obstore.store import S3Store
+
+    options = dict(storage_options or {})
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    session = botocore.session.Session(profile=options.get("profile"))
+    region = (
+        (options.get("client_kwargs") or {}).get("region_name") or session.get_config_variable("region") or "us-east-1"
+    )
+    config: dict[str, Any] = {"region": region}
+    endpoint = _endpoint(options)
+    if endpoint:
+        config["endpoint"] = endpoint
+        config["virtual_hosted_style_request"] = False
+    provider = None
+    if options.get("anon"):
+        config["skip_signature"] = True
+    elif options.get("key") and options.get("secret"):
+        config.update(access_key_id=options["key"], secret_access_key=options["secret"])
+        if options.get("token"):
+            config["session_token"] = options["token"]
+    else:
+        provider = Boto3CredentialProvider(session)  # raises ValueError without credentials
+    store = S3Store(
+        bucket,
+        config=config,
+        credential_provider=provider,
+        # statefulset.shards.faults retries (bounded); object_store would retry 10 times over 3 minutes.
+        retry_config={"max_retries": 0},
+        client_options={
+            "allow_http": bool(endpoint and endpoint.startswith("http://")),
+            "connect_timeout": "10s",
+            "timeout": "60s",
+        },
+    )
+    return store, key
+
+
+def read_ranges(store: Any, key: str, starts: list[int], ends: list[int]) -> list[bytes]:
+    """The bytes of each ``[start, end)``, concurrent; ranges are already merged by the caller."""
+    import obstore
+
+    global _started_in
+    _started_in = os.getpid()
+    return [bytes(b) for b in obstore.get_ranges(store, key, starts=starts, ends=ends, coalesce=0)]
