@@ -231,6 +231,10 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
+    results_dir = os.path.join(HERE, "results")
+    os.makedirs(results_dir, exist_ok=True)
+    with open(os.path.join(results_dir, "object_storage.json"), "w") as f:
+        json.dump(report, f, indent=2)
     print(markdown(report))
 
 
