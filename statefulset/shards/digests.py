@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 
 from statefulset.errors import StatefulsetError
-from statefulset.shards.facts import recall, remember
+from statefulset.shards.facts import once
 
 _DIGEST_CHUNK = 1 << 20  # constant memory: hashing a shard never holds more than this
 
@@ -30,14 +30,16 @@ def _hash_file(path: str) -> str:
 
 
 def shard_digest(prefix: str, memo_dir: str | None = None) -> str:
-    """Content digest of ``prefix.idx``, hashed once per file version (:mod:`statefulset.shards.facts`)."""
+    """Content digest of ``prefix.idx``, hashed once per file version (:mod:`statefulset.shards.facts`).
+
+    Concurrent callers share the work: one hashes, the others wait for its result.
+    """
     path = prefix + ".idx"
-    digest = recall("digest", path, directory=memo_dir)
-    if isinstance(digest, str):
-        return digest
-    try:
-        digest = _hash_file(path)
-    except OSError as exc:
-        raise StatefulsetError(f"{path}: cannot read to identify the shard: {exc}") from exc
-    remember("digest", path, value=digest, directory=memo_dir)
-    return digest
+
+    def digest() -> str:
+        try:
+            return _hash_file(path)
+        except OSError as exc:
+            raise StatefulsetError(f"{path}: cannot read to identify the shard: {exc}") from exc
+
+    return str(once("digest", (path,), digest, "hashing this index", memo_dir))

@@ -10,7 +10,7 @@ import numpy
 
 from statefulset.errors import SequenceIndexError, StatefulsetError
 from statefulset.shards import idx_format
-from statefulset.shards.facts import recall, remember
+from statefulset.shards.facts import once
 from statefulset.shards.index_copies import index_copy
 from statefulset.shards.storage import ShardFile, local_path, map_file
 
@@ -62,10 +62,12 @@ class IndexedDataset:
         *,
         storage_options: dict[str, Any] | None = None,
         validate: bool = True,
+        facts_dir: str | None = None,
     ) -> None:
         self.path_prefix = _prefix_str(path_prefix)
         self.multimodal = bool(multimodal)
         self.storage_options = storage_options
+        self.facts_dir = facts_dir  # where "this version passed the full check" is remembered
         self._open(validate)
 
     def _open(self, validate: bool) -> None:
@@ -74,8 +76,6 @@ class IndexedDataset:
         if local_path(idx_path) is not None:
             idx_file = ShardFile(idx_path, self.storage_options)
             self._bin_file = ShardFile(bin_path, self.storage_options)
-            # A file version that passed every check once needs only the O(1) checks again.
-            full = validate and not recall(kind, idx_path, bin_path)
             buffer, idx_size, copy = idx_file.map(), idx_file.size, None
         else:
             # Remote: the index is read at random by every lookup, so it is used from this
@@ -84,20 +84,33 @@ class IndexedDataset:
             copy = index_copy(idx_path, self.storage_options)
             buffer = map_file(copy.path)
             idx_size = len(buffer)
-            full = validate and not copy.verified
-        arrays = idx_format.decode_index(
-            buffer,
-            idx_size=idx_size,
-            bin_size=self._bin_file.size,
-            multimodal=self.multimodal,
-            path=idx_path,
-            bin_path=bin_path,
-            full=full,
-        )
-        if full and copy is not None:
+
+        def decode(full: bool) -> idx_format.IndexArrays:
+            return idx_format.decode_index(
+                buffer,
+                idx_size=idx_size,
+                bin_size=self._bin_file.size,
+                multimodal=self.multimodal,
+                path=idx_path,
+                bin_path=bin_path,
+                full=full,
+            )
+
+        arrays = None
+        if validate and copy is not None and not copy.verified:
+            arrays = decode(full=True)
             copy.mark_verified()
-        elif full:
-            remember(kind, idx_path, bin_path, value=True)
+        elif validate and copy is None:
+            # A version that passed every check once needs only the O(1) checks again; processes
+            # opening it at once share the full check (one checks, the others wait).
+            def full_check() -> bool:
+                nonlocal arrays
+                arrays = decode(full=True)
+                return True
+
+            once(kind, (idx_path, bin_path), full_check, "checking this index in full", self.facts_dir)
+        if arrays is None:
+            arrays = decode(full=False)
         self._arrays = arrays
         # The content digest of a remote index comes free with its local copy.
         self.known_digest: str | None = copy.digest if copy is not None else None
@@ -116,6 +129,7 @@ class IndexedDataset:
             "path_prefix": self.path_prefix,
             "multimodal": self.multimodal,
             "storage_options": self.storage_options,
+            "facts_dir": self.facts_dir,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -130,3 +130,4 @@ class OpenedSources:
     datasets: list[IndexedDataset]
     ranges: list[tuple[int, int]]  # each source's sequences in this split
     digests: list[str]  # each source's .idx content digest
+    cache_root: str  # where derived indices live: the spec's path_to_cache, else this node's default

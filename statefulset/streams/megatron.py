@@ -128,7 +128,7 @@ def open_megatron(spec: DatasetSpec, split: str, identity: dict[str, Any], opene
     live, weighted, per_split, num_samples = opened.live, opened.weighted, opened.per_split, opened.num_samples
     datasets, ranges, digests = opened.datasets, opened.ranges, opened.digests
     data_key = spec.data_key(split)
-    cache = IndexCache(spec.path_to_cache)
+    cache = IndexCache(opened.cache_root)
 
     def gpt(i: int, samples: int | None) -> tuple[GPTSource, dict[str, Any]]:
         ds, (lo, hi) = datasets[i], ranges[i]

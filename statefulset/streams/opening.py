@@ -20,6 +20,7 @@ import numpy
 from statefulset.errors import StatefulsetError
 from statefulset.index.cache import builds as cache_builds
 from statefulset.shards.digests import shard_digest
+from statefulset.shards.facts import user_cache_dir
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec, load_spec
 from statefulset.spec.splits import SPLITS, parse_split, split_matrix, split_range
@@ -59,6 +60,11 @@ def _open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any],
     return stream
 
 
+def cache_folder(spec: DatasetSpec) -> str:
+    """The spec's ``path_to_cache``, or this node's default (``<user cache>/indices``) when it is null."""
+    return spec.path_to_cache or os.path.join(user_cache_dir(), "indices")
+
+
 def _open(spec: DatasetSpec, split: str) -> SampleStream:
     selected = spec.blend_for(split)
     if selected is None:
@@ -73,12 +79,16 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         bookends: tuple[float, float] = (0.0, 1.0)
     else:
         bookends = split_matrix(parse_split(spec.split))[SPLITS.index(split)]
-    memo = os.path.join(spec.path_to_cache, "digests") if spec.path_to_cache else None
+    # Derived indices and facts about shard versions (full check passed, content digest) live in
+    # path_to_cache, so every node that mounts it trusts them; without one, in this node's default
+    # cache, so that processes and workers of a node never rebuild what another one built.
+    cache_root = cache_folder(spec)
+    memo = os.path.join(cache_root, "facts")
     datasets, ranges, digests = [], [], []
     data_key = spec.data_key(split)
     for prefix, _ in live:
         with spec.blame(data_key):
-            dataset = IndexedDataset(prefix, storage_options=spec.storage_options)
+            dataset = IndexedDataset(prefix, storage_options=spec.storage_options, facts_dir=memo)
         lo_hi = split_range(bookends, len(dataset))
         if lo_hi is None or lo_hi[1] <= lo_hi[0]:
             if per_split:
@@ -105,7 +115,7 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         ]
     )
     identity["data"] = hashlib.blake2b(sources_text.encode(), digest_size=12).hexdigest()
-    opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests)
+    opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests, cache_root)
     if spec.packing == "native":
         stream: SampleStream = open_native(spec, split, identity, opened)
     else:

@@ -64,7 +64,7 @@ class SpecPreview:
         if self.packing == "native":
             cache = "not used (packing native builds no index)"
         else:
-            cache = self.cache if self.cache is not None else "none (no path_to_cache: indices are built in memory)"
+            cache = self.cache if self.cache is not None else "this node's default (path_to_cache is null)"
         lines = [
             f"{self.spec}: packing {self.packing}, seq_length {self.seq_length}, seed {self.seed}{ratios}",
             f"  cache: {cache}",
