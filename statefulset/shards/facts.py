@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -35,9 +36,13 @@ from statefulset.shards.locks import exclusive
 
 __all__ = ["file_token", "once", "recall", "remember", "versions"]
 
+logger = logging.getLogger("statefulset")
+
 # A file modified less than this long ago may still change without a visible mtime change.
 SETTLE_SECONDS = 3.0
 _in_process: dict[tuple[str, str], tuple[tuple[str, ...], Any]] = {}
+# Facts this process computed (not recalled), by kind: what prepare's summary and tests count.
+computed: dict[str, int] = {}
 
 
 def file_token(path: str) -> tuple[str, str] | None:
@@ -89,12 +94,18 @@ def recall(kind: str, *paths: str, directory: str | None = None) -> Any:
     hit = _in_process.get(key)
     if hit is not None and hit[0] == current:
         return hit[1]
-    with contextlib.suppress(OSError, ValueError, TypeError):
-        with open(_memo_file(kind, key[1], directory), encoding="utf-8") as f:
+    memo = _memo_file(kind, key[1], directory)
+    try:
+        with open(memo, encoding="utf-8") as f:
             saved = json.load(f)
-        if tuple(saved.get("versions", ())) == current and "value" in saved:
-            _in_process[key] = (current, saved["value"])
-            return saved["value"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        logger.warning("statefulset: ignoring the damaged fact file %s (%s); it is recomputed", memo, exc)
+        return None
+    if isinstance(saved, dict) and tuple(saved.get("versions", ())) == current and "value" in saved:
+        _in_process[key] = (current, saved["value"])
+        return saved["value"]
     return None
 
 
@@ -137,6 +148,7 @@ def once(kind: str, paths: tuple[str, ...], compute: Callable[[], Any], what: st
     if found is not None:
         return found
     if versions(*paths) is None:
+        computed[kind] = computed.get(kind, 0) + 1
         return compute()  # a file that has not settled (or is remote) is not remembered, so not shared
     folder = directory or memo_dir()
     lock = _memo_file(kind, _where(paths[0]), folder) + ".lock"
@@ -149,6 +161,11 @@ def once(kind: str, paths: tuple[str, ...], compute: Callable[[], Any], what: st
         if found is not None:
             return found
         read = versions(*paths)
+        computed[kind] = computed.get(kind, 0) + 1
+        logger.info(
+            "statefulset: %s %s: this version is new to %s (changed, or not prepared; `statefulset prepare SPEC` "
+            "does this once for every rank)", what, paths[0], folder,
+        )  # fmt: skip
         value = compute()
         remember(kind, *paths, value=value, directory=directory, read=read)
         return value

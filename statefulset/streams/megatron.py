@@ -206,7 +206,7 @@ def open_megatron(spec: DatasetSpec, split: str, identity: dict[str, Any], opene
     with spec.blame("path_to_cache"):
         arrays = cache.get_or_build("BlendedDataset", description, build_blend)
     with spec.blame(num_samples_key):
-        counts = blending.check_budgets(arrays["dataset_index"], [len(s) for s in sources], [p for p, _ in live], split)
+        counts = blending.check_budgets(arrays, [len(s) for s in sources], [p for p, _ in live], split)
     stream = MegatronStream(spec, split, identity, sources, arrays)
     stream.blend_counts = counts  # samples drawn from each source: realised shares without another pass
     return stream

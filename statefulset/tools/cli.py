@@ -1,4 +1,4 @@
-"""The ``statefulset`` command: preprocess, merge, inspect, demo."""
+"""The ``statefulset`` command: preprocess, merge, inspect, explain, prepare, demo."""
 
 from __future__ import annotations
 
@@ -74,6 +74,13 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
         status = status or (0 if report.valid else 1)
     return status
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from statefulset.tools.prepare import prepare
+
+    print(prepare(args.spec, args.splits, jobs=args.jobs, show_progress=not args.quiet).text())
+    return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -187,6 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="PATH|bytes", help="add decoded text: 'bytes' or a tokenizer.json (folder)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_explain)
+
+    p = sub.add_parser(
+        "prepare",
+        help="check and hash every shard and build the indices of a spec once, into its path_to_cache (docs/scale.md)",
+    )
+    p.add_argument("spec", help="the dataset spec (.yaml)")
+    p.add_argument(
+        "--splits", nargs="+", choices=["train", "valid", "test"], help="default: every split the spec builds"
+    )
+    p.add_argument("--jobs", type=int, default=1, help="shards checked and hashed at once (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=_prepare)
 
     p = sub.add_parser("demo", help="run the main job on a built-in corpus (no downloads)")
     p.add_argument("--dir", default="statefulset-demo", help="where the demo writes its files")

@@ -73,15 +73,21 @@ def blend_indices(weights: list[float] | list[int], size: int | None) -> dict[st
         index, sample = exhaustive_blending_indices(numpy.array(weights, dtype=numpy.int64))
     else:
         index, sample = blending_indices(numpy.array(weights, dtype=numpy.float64), size)
-    return {"dataset_index": index, "dataset_sample_index": sample}
+    # Stored with the entry, so that a warm open never counts the whole index again.
+    counts = numpy.bincount(index, minlength=len(weights)).astype(numpy.int64)
+    return {"dataset_index": index, "dataset_sample_index": sample, "counts": counts}
 
 
-def check_budgets(dataset_index: numpy.ndarray, lengths: list[int], names: list[str], split: str) -> numpy.ndarray:
+def check_budgets(arrays: dict[str, numpy.ndarray], lengths: list[int], names: list[str], split: str) -> numpy.ndarray:
     """megatron-core refuses a blend that asks a part for more samples than it has; so do we, by name.
 
-    Returns the samples the blend draws from each part.
+    Returns the samples the blend draws from each part (stored with the blend; counted only for
+    an entry written before they were).
     """
-    counts = numpy.bincount(numpy.asarray(dataset_index), minlength=len(lengths))
+    counts = arrays.get("counts")
+    if counts is None or len(counts) != len(lengths):
+        counts = numpy.bincount(numpy.asarray(arrays["dataset_index"]), minlength=len(lengths))
+    counts = numpy.asarray(counts)
     for name, asked, have in zip(names, counts.tolist(), lengths, strict=True):
         if asked > have:
             raise StatefulsetError(
