@@ -15,6 +15,12 @@ loading fails (no compiler, read-only home, ...) or ``STATEFULSET_KERNELS=0`` is
 at INFO on the ``statefulset`` logger. The results are identical either way, dtypes included.
 The environment is read once, at the first call that needs a kernel.
 
+A fresh node would compile once (~0.2 s of a C compiler) before its first native sample. So a
+stream's cache folder is also a place to share the library (:func:`share_from`, called when a
+stream opens with its ``path_to_cache``): a library found there is loaded as it is (its name
+pins the source, compiler, flags and platform), and one compiled here is copied there for the
+next node. ``statefulset prepare`` compiles it there ahead of time.
+
 The callers (:mod:`statefulset.index.megatron.sample_index`, :mod:`statefulset.index.megatron.blend`,
 :mod:`statefulset.index.native.permutation`, :mod:`statefulset.index.native.windows`) take
 ``native``: ``None`` (default) uses the compiled kernel when available, ``False`` always runs the
@@ -55,6 +61,14 @@ _COMPILE_TIMEOUT = 300
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "lib": None, "reason": None}
+_shared: list[Path] = []  # folders other nodes see: path_to_cache/kernels
+
+
+def share_from(folder: str | os.PathLike[str]) -> None:
+    """Look for (and leave) the compiled library in ``folder`` too; a no-op once it is loaded."""
+    path = Path(folder)
+    if path not in _shared:
+        _shared.append(path)
 
 
 # --------------------------------------------------------------------------- building and loading
@@ -99,6 +113,17 @@ def _compile(source: bytes, compiler: list[str], target: Path) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def _publish(built: Path, there: Path) -> None:
+    """Copy the library where other nodes look (best effort: a read-only folder just stays empty)."""
+    try:
+        there.parent.mkdir(parents=True, exist_ok=True)
+        temporary = there.with_name(f"{there.stem}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
+        temporary.write_bytes(built.read_bytes())
+        os.replace(temporary, there)
+    except OSError as error:
+        logger.debug("could not share the compiled kernels in %s: %s", there.parent, error)
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     def array(dtype) -> type:
         return numpy.ctypeslib.ndpointer(dtype=dtype, flags="C_CONTIGUOUS")
@@ -129,8 +154,13 @@ def _open() -> ctypes.CDLL:
     if not compiler:
         raise OSError("CC is set but empty")
     target = _library_path(source, compiler)
+    shared = next((d / target.name for d in _shared if (d / target.name).exists()), None)
+    if shared is not None and not target.exists():
+        target = shared  # another node compiled it (or statefulset prepare did)
     if not target.exists():
         _compile(source, compiler, target)
+        for folder in _shared:
+            _publish(target, folder / target.name)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError:

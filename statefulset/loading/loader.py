@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -21,10 +22,19 @@ from statefulset.errors import StatefulsetError, check_int
 from statefulset.index.native.keys import derive_key
 from statefulset.loading.batches import BatchRing, BatchSource, bundle_size, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
-from statefulset.loading.state import Cursor, fit_global_state, fit_rank_state, make_state
+from statefulset.loading.state import (
+    Cursor,
+    fit_global_state,
+    fit_global_states,
+    fit_rank_state,
+    make_state,
+)
+from statefulset.loading.state import decode as decode_state
+from statefulset.loading.state import encode as encode_state
 from statefulset.loading.watchdog import TimedOut, Watchdog
 from statefulset.loading.worker_config import WorkerConfig
 from statefulset.parallel.arrival import DEFAULT_TIMEOUT, check_timeout, meet
+from statefulset.parallel.exchange import gather_bytes, scatter_bytes
 
 
 def _identity(item: Any) -> Any:
@@ -261,15 +271,16 @@ class SavableLoader:
                 f"save_state_global: global rank {global_dst_rank} is not in this rank's data_parallel_group"
             ) from None
         meet("save_state_global", group, self.collective_timeout, f"global_dst_rank={global_dst_rank}")
-        gathered: list[Any] | None = [None] * self._group_size() if dist.get_rank() == global_dst_rank else None
-        dist.gather_object(state, gathered, dst=global_dst_rank, group=group)
-        return gathered
+        # Fixed slots (statefulset.parallel.exchange): O(W) bytes, no all-gather of sizes.
+        gathered = gather_bytes(encode_state(state), global_dst_rank, group)
+        return [decode_state(data) for data in gathered] if gathered is not None else None
 
     def restore_state_global(self, state: list[dict[str, Any]] | None, src_rank: int | None = None) -> None:
         """Restore from every DP rank's states, also into another DP size, batch size or worker count.
 
         ``src_rank=None``: every rank passes the whole list. Otherwise DP rank ``src_rank`` (within the
-        group) passes it and the others pass None; it is broadcast over the DP group.
+        group) passes it and the others pass None; it is checked there, and each rank receives only its
+        own cursor (one scatter of a fixed slot: see statefulset.parallel.exchange).
         """
         wc = self.worker_config
         if src_rank is not None:
@@ -282,16 +293,44 @@ class SavableLoader:
                     f"restore_state_global: DP rank {wc.rank} passed a state but src_rank is {src_rank}; pass None"
                 )
             if self._distributed():
-                group = wc.data_parallel_group
-                source = dist.get_global_rank(group, src_rank) if group is not None else src_rank
-                meet("restore_state_global", group, self.collective_timeout, f"src_rank={src_rank}")
-                box = [state if wc.rank == src_rank else None]
-                dist.broadcast_object_list(box, src=source, group=group)
-                state = box[0]
+                self._restore(self._receive_cursor(state, src_rank))
+                return
         if state is None:
             raise StatefulsetError(f"restore_state_global: DP rank {wc.rank} received no state")
         identity = self.dataset.stream.identity
         self._restore(fit_global_state(state, identity, wc.rank, wc.world_size, self.dataset.batch_size))
+
+    def _receive_cursor(self, states: list[dict[str, Any]] | None, src_rank: int) -> Cursor:
+        """DP rank ``src_rank`` checks the list once and sends each rank only its own cursor.
+
+        One scatter of fixed slots: each rank receives ~100 bytes, whatever the DP size (a
+        broadcast of the list would send every rank every state). A check that fails at the
+        source is sent to every rank, so all of them raise the same error.
+        """
+        wc = self.worker_config
+        group = wc.data_parallel_group
+        source = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+        meet("restore_state_global", group, self.collective_timeout, f"src_rank={src_rank}")
+        stream = self.dataset.stream
+        items = None
+        if wc.rank == src_rank:
+            try:
+                cursors = fit_global_states(states, stream.identity, wc.world_size, self.dataset.batch_size)
+                items = [
+                    msgpack.packb({"fingerprint": stream.fingerprint, "base": c.base, "batches": c.batches})
+                    for c in cursors
+                ]
+            except StatefulsetError as exc:
+                items = [msgpack.packb({"error": str(exc)[:3000]})] * wc.world_size
+        got = msgpack.unpackb(scatter_bytes(items, source, group))
+        if "error" in got:
+            raise StatefulsetError(got["error"] + f" (checked on DP rank {src_rank})")
+        if got["fingerprint"] != stream.fingerprint:
+            raise StatefulsetError(
+                f"restore_state_global: DP rank {wc.rank} opened other data than DP rank {src_rank} "
+                "(their stream fingerprints differ): every rank must load the same spec"
+            )
+        return Cursor(got["base"], got["batches"], wc.rank, wc.world_size, self.dataset.batch_size)
 
     # -- torch.distributed.checkpoint (Stateful) ------------------------------------------------
     def _key(self) -> str:

@@ -155,8 +155,8 @@ def fit_rank_state(state: Any, identity: dict[str, Any], dp_rank: int, dp_size: 
     return cursor_of(state)
 
 
-def fit_global_state(states: Any, identity: dict[str, Any], dp_rank: int, dp_size: int, batch_size: int) -> Cursor:
-    """The cursor for this rank from the states of every DP rank, possibly saved in another layout."""
+def fit_global_states(states: Any, identity: dict[str, Any], dp_size: int, batch_size: int) -> list[Cursor]:
+    """Every new DP rank's cursor from the states of every saving DP rank: one check of the list, O(W)."""
     if not isinstance(states, list | tuple):
         raise StatefulsetError(f"global state: expected the list of every DP rank's state, got {type(states).__name__}")
     if not states:
@@ -175,16 +175,21 @@ def fit_global_state(states: Any, identity: dict[str, Any], dp_rank: int, dp_siz
             if state[key] != first[key]:
                 raise StatefulsetError(f"global state: {key} of DP rank {i} ({state[key]}) differs from rank 0's")
     if len(states) == dp_size and first["batch_size"] == batch_size:
-        return cursor_of(states[dp_rank])  # same layout: every rank resumes exactly where it was
+        return [cursor_of(s) for s in states]  # same layout: every rank resumes exactly where it was
     taken = [s["batches"] for s in states]
     if len(set(taken)) > 1:
-        detail = ", ".join(f"rank {i}: {n}" for i, n in enumerate(taken))
+        shown = ", ".join(f"rank {i}: {n}" for i, n in enumerate(taken[:16])) + (", ..." if len(taken) > 16 else "")
         raise StatefulsetError(
             "global state: ranks consumed different numbers of batches "
-            f"({detail}); a changed DP size or batch size needs a state where every rank took the same number"
+            f"({shown}); a changed DP size or batch size needs a state where every rank took the same number"
         )
     consumed = cursor_of(first).consumed
-    return Cursor(consumed, 0, dp_rank, dp_size, batch_size)
+    return [Cursor(consumed, 0, r, dp_size, batch_size) for r in range(dp_size)]
+
+
+def fit_global_state(states: Any, identity: dict[str, Any], dp_rank: int, dp_size: int, batch_size: int) -> Cursor:
+    """The cursor for this rank from the states of every DP rank, possibly saved in another layout."""
+    return fit_global_states(states, identity, dp_size, batch_size)[dp_rank]
 
 
 # -- msgpack codec for users who store states outside torch ---------------------------------------

@@ -6,18 +6,25 @@ before) would leave its peers inside ``gather_object`` / ``broadcast_object_list
 process group's timeout (30 min for gloo, 10 for NCCL by default, often raised to hours), and
 then with a message that does not say who was missing.
 
-So before the collective, every rank of the group sets its own key in torch.distributed's
-default store (the TCPStore or FileStore of ``init_process_group``: no communicator is
-involved, so NCCL groups work the same as gloo ones) and waits at most ``timeout`` seconds for
-its peers' keys. On timeout it raises a ``StatefulsetError`` naming the DP ranks (and global
-ranks) that did not arrive. Each key also carries the call's arguments (``global_dst_rank``,
-``src_rank``), so ranks that disagree on them are named too, where the store can read many
-keys at once.
+So before the collective, the ranks meet in torch.distributed's default store (the TCPStore or
+FileStore of ``init_process_group``: no communicator is involved, so NCCL groups work the same
+as gloo ones), with a constant number of store operations per rank, whatever the group size (at
+16k DP ranks, a meeting where every rank read every peer's key would cost the one store server
+2.7·10^8 reads):
 
-Keys are ``statefulset/<call>/<group>/<n>/<dp rank>``, where ``n`` counts this process's calls
-of ``<call>`` on that group: ranks making the same calls number them alike (which is what is
-checked). At call ``n`` a rank deletes its key of call ``n - 2``: every peer has passed call
-``n - 1``'s meeting by then, so nobody waits for it any more, and the store stays small.
+1. set its arrival key (read only if the meeting times out, to name who is missing);
+2. ``compare_set`` the call's argument (``global_dst_rank``, ``src_rank``) into one shared key:
+   the first rank's value stays, and a rank that passed another one records the conflict;
+3. ``add`` 1 to the arrival counter; the rank that brings it to the group size sets ``done``;
+4. wait at most ``timeout`` seconds for ``done``, then check the conflict key.
+
+On timeout a ``StatefulsetError`` names the DP ranks (and global ranks) that did not arrive; on a
+conflict every rank raises, naming the two arguments.
+
+Keys are ``statefulset/<call>/<group>/<n>/...``, where ``n`` counts this process's calls of
+``<call>`` on that group: ranks making the same calls number them alike. At call ``n`` each rank
+deletes its arrival key of call ``n - 2`` and rank 0 the shared keys of call ``n - 2``: every
+peer has passed call ``n - 1``'s meeting by then, so nobody reads them any more.
 """
 
 from __future__ import annotations
@@ -58,26 +65,37 @@ def meet(call: str, group: Any, timeout: float | None, argument: object = None) 
     _calls[(call, ranks)] = n + 1
     tag = hashlib.blake2b(",".join(map(str, ranks)).encode(), digest_size=8).hexdigest()
     base = f"statefulset/{call}/{tag}"
-    keys = [f"{base}/{n}/{r}" for r in range(len(ranks))]
+    here = f"{base}/{n}"
     store = _get_default_store()
+    mine = repr(argument)
     try:
-        store.set(keys[me], repr(argument))
+        store.set(f"{here}/arrived/{me}", "1")
+        agreed = store.compare_set(f"{here}/argument", "", mine).decode()
+        if agreed != mine:
+            store.set(f"{here}/conflict", f"DP rank {me} passed {mine}, another rank {agreed}")
+        if store.add(f"{here}/count", 1) == len(ranks):
+            store.set(f"{here}/done", "1")
         if n >= 2:
-            store.delete_key(f"{base}/{n - 2}/{me}")
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+            old = f"{base}/{n - 2}"
+            store.delete_key(f"{old}/arrived/{me}")
+            if me == 0:
+                for key in ("argument", "count", "done", "conflict"):
+                    store.delete_key(f"{old}/{key}")
+        store.wait([f"{here}/done"], datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:  # torch's store errors (timeouts included) are RuntimeErrors
-        missing = _missing(store, keys, exc, call)
+        missing = _missing(store, [f"{here}/arrived/{r}" for r in range(len(ranks))], exc, call)
         if missing:
             raise StatefulsetError(
                 f"{call}: DP rank(s) {missing} (global rank(s) {[ranks[r] for r in missing]}) of the "
                 f"data_parallel_group did not call {call} within {timeout:g} s; it is a collective: call it "
                 f"on every DP rank (this wait is the loader's collective_timeout, default {DEFAULT_TIMEOUT:g} s)"
             ) from None
-    if hasattr(store, "multi_get"):
-        values = [v.decode() for v in store.multi_get(keys)]
-        if len(set(values)) > 1:
-            seen = ", ".join(f"DP rank {r}: {v}" for r, v in enumerate(values))
-            raise StatefulsetError(f"{call}: the DP ranks passed different arguments ({seen}); pass the same on all")
+        raise StatefulsetError(f"{call}: the meeting of the DP ranks failed: {exc}") from exc
+    if store.check([f"{here}/conflict"]):
+        raise StatefulsetError(
+            f"{call}: the DP ranks passed different arguments ({store.get(f'{here}/conflict').decode()}); "
+            "pass the same on all"
+        )
 
 
 def _missing(store: Any, keys: list[str], exc: RuntimeError, call: str) -> list[int]:
