@@ -7,6 +7,7 @@ Every "node" here is a fresh process with its own fresh home (XDG_CACHE_HOME), s
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -164,7 +165,8 @@ def test_a_damaged_fact_file_is_recomputed(corpus, caplog):
             (folder / name).write_text("{not json")
     facts._in_process.clear()
     before = dict(facts.computed)
-    open_stream(spec)
+    with caplog.at_level(logging.WARNING, logger="statefulset"):
+        open_stream(spec)
     assert facts.computed["verified"] - before.get("verified", 0) == 3
     assert "ignoring the damaged fact file" in caplog.text and str(folder) in caplog.text
 
@@ -205,7 +207,7 @@ class TestLockFile:
             json.dump({"host": "elsewhere", "pid": 1}, f)
         old = time.time() - locks.STALE_S - 5
         os.utime(lock + ".held", (old, old))
-        with locks.exclusive(lock, "x", "probing") as held:
+        with caplog.at_level(logging.WARNING, logger="statefulset"), locks.exclusive(lock, "x", "probing") as held:
             assert held
         assert "removing the stale lock" in caplog.text
 

@@ -200,6 +200,7 @@ def _reset() -> None:
     """Forget the loaded library so that the next call looks at the environment again (tests)."""
     with _lock:
         _state.update(loaded=False, lib=None, reason=None)
+        _shared.clear()
 
 
 def available() -> bool:
