@@ -1,4 +1,4 @@
-"""Byte compatibility with megatron-core (0.19.2 in CI; its sample order equals 0.16.1's), used here only as an oracle."""
+"""Byte compatibility with megatron-core (0.19.2 in CI; its sample order equals 0.16.1's), used only as an oracle."""
 
 from __future__ import annotations
 

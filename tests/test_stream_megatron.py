@@ -1,4 +1,4 @@
-"""packing: megatron against megatron-core (0.19.2 in CI, same order as 0.16) as the oracle: whole streams, token for token.
+"""packing: megatron against megatron-core (0.19.2 in CI) as the oracle: whole streams, token for token.
 
 Random configurations: seeds, sequence lengths, splits, one to many epochs (with and without a
 separate final epoch), blends of 1 to 5 prefixes weighted or by size, per-split blends, and
