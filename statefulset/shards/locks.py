@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from statefulset.errors import StatefulsetError
 
@@ -106,34 +106,30 @@ def _stale(path: str) -> bool:
 @contextlib.contextmanager
 def _lock_file(path: str, subject: str, what: str) -> Iterator[bool]:
     held_path = path + ".held"
-    bound, start, pause, reported, logged = wait_bound(), time.monotonic(), 0.01, time.monotonic(), False
-    while True:
+    fd = -1
+
+    def create() -> bool:
+        nonlocal fd
         try:
             fd = os.open(held_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            break
+            return True
         except FileExistsError:
-            if _stale(held_path):
-                logger.warning("statefulset: removing the stale lock %s", held_path)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(held_path)
-                continue
-        except OSError:
-            yield False  # a read-only folder
-            return
-        now = time.monotonic()
-        if not logged:
-            logger.info("statefulset: waiting for another process %s: %s", what, subject)
-            logged = True
-        if now - start >= bound:
-            raise StatefulsetError(
-                f"{subject}: waited {bound:g} s for another process {what} (it holds {held_path}); check "
-                "that process, remove the file if it is gone, or raise STATEFULSET_CACHE_WAIT"
-            )
-        if now - reported >= REPORT_EVERY_S:
-            reported = now
-            logger.warning("statefulset: still waiting (%.0f s) for another process %s: %s", now - start, what, subject)
-        time.sleep(pause)
-        pause = min(pause * 2, 1.0)
+            if not _stale(held_path):
+                return False
+        logger.warning("statefulset: removing the stale lock %s", held_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(held_path)
+        return create()
+
+    try:
+        _poll(
+            create, subject, what,
+            f"it holds {held_path}); check that process, remove the file if it is gone, or raise "
+            "STATEFULSET_CACHE_WAIT",
+        )  # fmt: skip
+    except OSError:
+        yield False  # a read-only folder
+        return
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump({"host": _HOST, "pid": os.getpid(), "since": time.time()}, f)
     stop = threading.Event()
@@ -155,27 +151,37 @@ def _lock_file(path: str, subject: str, what: str) -> Iterator[bool]:
 
 
 def _wait(fd: int, path: str, subject: str, what: str) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    def take() -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    _poll(
+        take, subject, what,
+        f"it holds {path} and is alive: a dead one's lock is released); check that process, or raise "
+        "STATEFULSET_CACHE_WAIT",
+    )  # fmt: skip
+
+
+def _poll(take: Callable[[], bool], subject: str, what: str, holder: str) -> None:
+    """``take()`` until it gets the lock: at once, then with pauses doubling to 1 s; logged, bounded.
+
+    ``holder`` ends the error after "(": who holds the lock, then the advice.
+    """
+    if take():
         return
-    except BlockingIOError:
-        pass
     bound, start = wait_bound(), time.monotonic()
     logger.info("statefulset: waiting for another process %s: %s", what, subject)
     pause, reported = 0.01, start
     while True:
         time.sleep(pause)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if take():
             return
-        except BlockingIOError:
-            pass
         now = time.monotonic()
         if now - start >= bound:
-            raise StatefulsetError(
-                f"{subject}: waited {bound:g} s for another process {what} (it holds {path} and is alive: "
-                "a dead one's lock is released); check that process, or raise STATEFULSET_CACHE_WAIT"
-            )
+            raise StatefulsetError(f"{subject}: waited {bound:g} s for another process {what} ({holder}")
         if now - reported >= REPORT_EVERY_S:
             reported = now
             logger.warning("statefulset: still waiting (%.0f s) for another process %s: %s", now - start, what, subject)
