@@ -36,10 +36,11 @@ def corpus(tmp_path_factory):
     return root
 
 
-@pytest.fixture(params=["native", "megatron"])
+@pytest.fixture(params=["native", "megatron", "bestfit"])
 def spec(request, corpus):
-    if request.param == "native":
-        return {"data_path": {str(corpus / "a"): 0.7, str(corpus / "b"): 0.3}, "seq_length": 32, "packing": "native"}
+    if request.param in ("native", "bestfit"):
+        blend = {str(corpus / "a"): 0.7, str(corpus / "b"): 0.3}
+        return {"data_path": blend, "seq_length": 32, "packing": request.param, "path_to_cache": str(corpus / "c")}
     # A short finite stream (one epoch): training wraps around it, so epoch boundaries get crossed.
     return {"data_path": str(corpus / "a"), "seq_length": 32, "split": "90,10,0", "path_to_cache": str(corpus / "c")}
 

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 BATCH = 4
 SEQ = 16
-PACKINGS = ("native", "megatron")
+PACKINGS = ("native", "megatron", "bestfit")
 
 
 # --- corpus, specs and the expected stream ------------------------------------------------------
@@ -62,6 +62,7 @@ def specs(tmp_path_factory) -> dict[str, dict]:
     out = {
         "native": {**common, "data_path": {str(root / "a"): 0.6, str(root / "b"): 0.4}, "packing": "native"},
         "megatron": {**common, "data_path": str(root / "a"), "packing": "megatron", "num_samples": 20},
+        "bestfit": {**common, "data_path": {str(root / "a"): 0.5, str(root / "b"): 0.5}, "packing": "bestfit"},
     }
     out["megatron_b"] = {**out["megatron"], "data_path": str(root / "b")}
     for spec in out.values():

@@ -55,7 +55,7 @@ logger = logging.getLogger("statefulset")
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off")
-_ABI = 2
+_ABI = 3
 _COMPILE_TIMEOUT = 300
 
 
@@ -146,6 +146,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_feistel.restype = None
     lib.sf_window_permute.argtypes = [array(numpy.int64), i64, i64, i32, ctypes.c_uint64, i32, array(numpy.int64)]
     lib.sf_window_permute.restype = None
+    lib.sf_bestfit_counts.argtypes = [array(numpy.int64), i64, i64, i64, array(numpy.int64)]
+    lib.sf_bestfit_counts.restype = i64
+    lib.sf_bestfit_window.argtypes = [array(numpy.int64), i64, i64, array(numpy.int64)]
+    lib.sf_bestfit_window.restype = i64
 
 
 def _open() -> ctypes.CDLL:

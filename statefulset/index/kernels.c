@@ -9,8 +9,10 @@
  */
 
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
-#define SF_KERNELS_ABI 2
+#define SF_KERNELS_ABI 3
 
 /* The walk reads lengths[] at random (one read per document_index entry): ask for the entry
  * SF_PREFETCH_AHEAD positions on early. Only a hint, it never changes a result; ~30% faster on
@@ -258,4 +260,118 @@ void sf_window_permute(const int64_t *local, int64_t count, int64_t windows, int
         while (y >= (uint64_t)windows) y = sf_rounds(y, half, mask, keys, rounds, 0);
         out[i] = (int64_t)y;
     }
+}
+
+/*
+ * Best-fit decreasing of one window's items into bins of `capacity` tokens (packing: bestfit).
+ *
+ * Items are taken in decreasing size, ties in index order (a counting sort over sizes). Each goes
+ * to the open bin with the least room that still holds it; among bins with equal room, the one
+ * that reached that room last; with none, a new bin. Items of size 0 get no bin (-1). bin_of[i]
+ * is item i's bin, bins numbered in opening order. Returns the number of bins, or -1 for a size
+ * outside [0, capacity], -2 when memory runs out. index.bestfit.packing.pack_window is the same
+ * algorithm in Python, result for result.
+ */
+static int64_t sf_pack_one(const int64_t *sizes, int64_t n, int64_t capacity, int64_t *bin_of, int64_t *count,
+                           int64_t *order, int64_t *head, int64_t *next, int64_t *room, uint64_t *bits) {
+    int64_t words = capacity / 64 + 1, bins = 0;
+    memset(count, 0, (size_t)(capacity + 2) * sizeof(int64_t));
+    for (int64_t i = 0; i < n; i++) {
+        if (sizes[i] < 0 || sizes[i] > capacity) return -1;
+        count[sizes[i]]++;
+    }
+    /* Start of each size's run in decreasing order. */
+    int64_t at = 0;
+    for (int64_t s = capacity; s >= 1; s--) {
+        int64_t c = count[s];
+        count[s] = at;
+        at += c;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        bin_of[i] = -1;
+        if (sizes[i] > 0) order[count[sizes[i]]++] = i;
+    }
+    for (int64_t r = 0; r <= capacity; r++) head[r] = -1;
+    memset(bits, 0, (size_t)words * sizeof(uint64_t));
+    for (int64_t k = 0; k < at; k++) {
+        int64_t item = order[k], size = sizes[item], found = -1;
+        /* Least room >= size among the rooms that have a bin: the first set bit at or after size. */
+        int64_t w = size / 64;
+        uint64_t word = bits[w] & (~0ULL << (size % 64));
+        while (1) {
+            if (word) {
+                found = w * 64 + __builtin_ctzll(word);
+                break;
+            }
+            if (++w >= words) break;
+            word = bits[w];
+        }
+        int64_t bin;
+        if (found < 0) {
+            bin = bins++;
+            room[bin] = capacity;
+        } else {
+            bin = head[found];
+            head[found] = next[bin];
+            if (head[found] < 0) bits[found / 64] &= ~(1ULL << (found % 64));
+        }
+        bin_of[item] = bin;
+        room[bin] -= size;
+        if (room[bin] > 0) {
+            int64_t r = room[bin];
+            next[bin] = head[r];
+            head[r] = bin;
+            bits[r / 64] |= 1ULL << (r % 64);
+        }
+    }
+    return bins;
+}
+
+static int64_t sf_pack_windows(const int64_t *sizes, int64_t n, int64_t window, int64_t capacity, int64_t *bin_of,
+                               int64_t *bins_out) {
+    int64_t largest = window < n ? window : n;
+    int64_t words = capacity / 64 + 1;
+    int64_t *count = malloc((size_t)(capacity + 2) * sizeof(int64_t));
+    int64_t *head = malloc((size_t)(capacity + 1) * sizeof(int64_t));
+    int64_t *order = malloc((size_t)(largest + 1) * sizeof(int64_t));
+    int64_t *next = malloc((size_t)(largest + 1) * sizeof(int64_t));
+    int64_t *room = malloc((size_t)(largest + 1) * sizeof(int64_t));
+    int64_t *scratch = bin_of ? NULL : malloc((size_t)(largest + 1) * sizeof(int64_t));
+    uint64_t *bits = malloc((size_t)words * sizeof(uint64_t));
+    int64_t result = 0;
+    if (!count || !head || !order || !next || !room || !bits || (!bin_of && !scratch)) {
+        result = -2;
+    } else {
+        for (int64_t first = 0, j = 0; first < n; first += window, j++) {
+            int64_t size = n - first < window ? n - first : window;
+            int64_t *target = bin_of ? bin_of + first : scratch;
+            int64_t bins = sf_pack_one(sizes + first, size, capacity, target, count, order, head, next, room, bits);
+            if (bins < 0) {
+                result = bins;
+                break;
+            }
+            bins_out[j] = bins;
+        }
+    }
+    free(count);
+    free(head);
+    free(order);
+    free(next);
+    free(room);
+    free(scratch);
+    free(bits);
+    return result;
+}
+
+/* Bins of every window of `window` items (the last one may be shorter): bins_out[j]. */
+int64_t sf_bestfit_counts(const int64_t *sizes, int64_t n, int64_t window, int64_t capacity, int64_t *bins_out) {
+    return sf_pack_windows(sizes, n, window, capacity, 0, bins_out);
+}
+
+/* One window: bin_of[i] for each of its n items; returns the bin count (or a negative code). */
+int64_t sf_bestfit_window(const int64_t *sizes, int64_t n, int64_t capacity, int64_t *bin_of) {
+    int64_t bins = 0;
+    if (n == 0) return 0;
+    int64_t code = sf_pack_windows(sizes, n, n, capacity, bin_of, &bins);
+    return code < 0 ? code : bins;
 }

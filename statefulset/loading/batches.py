@@ -34,39 +34,66 @@ from statefulset.errors import StatefulsetError
 from statefulset.loading.read_ahead import read_ahead, read_ahead_depth
 from statefulset.loading.state import Cursor
 from statefulset.streams.base import SampleStream
+from statefulset.streams.documents import FieldSpec, gather_fields
 
 # A worker sends batches in bundles of about this many bytes: each DataLoader round trip (index
 # queue, result queue, their feeder threads) costs ~0.3 ms of CPU here, which one 32 KB batch
 # cannot pay for, while a bundle of eight can.
 BUNDLE_BYTES = 256 * 1024
 MAX_BUNDLE = 16
+_TORCH_DTYPES = {
+    numpy.dtype(numpy.float32): torch.float32,
+    numpy.dtype(numpy.int32): torch.int32,
+    numpy.dtype(numpy.int64): torch.int64,
+}
 
 
-def bundle_size(batch_size: int, width: int, dtype: numpy.dtype) -> int:
+def bundle_size(batch_size: int, fields: list[FieldSpec]) -> int:
     """Batches per worker hand-off: 1 for batches of BUNDLE_BYTES or more, at most MAX_BUNDLE."""
-    per_batch = batch_size * width * numpy.dtype(dtype).itemsize
+    per_batch = batch_size * sum(_row_bytes(f) for f in fields)
     return max(1, min(MAX_BUNDLE, BUNDLE_BYTES // max(per_batch, 1)))
 
 
-class BatchRing:
-    """``workers × slots`` buffers of ``bundle`` batches each, in one shared-memory block."""
+def _row_bytes(field: FieldSpec) -> int:
+    return int(numpy.prod(field.shape, dtype=numpy.int64)) * field.dtype.itemsize
 
-    def __init__(
-        self, workers: int, slots: int, batch_size: int, width: int, dtype: numpy.dtype, bundle: int = 1
-    ) -> None:
+
+class BatchRing:
+    """``workers × slots`` buffers of ``bundle`` batches each, in one shared-memory block.
+
+    A slot holds every field of its batches (``text`` in the corpus dtype, then ``loss_mask`` and
+    the document fields when the dataset has them), one array per field, back to back.
+    """
+
+    def __init__(self, workers: int, slots: int, batch_size: int, fields: list[FieldSpec], bundle: int = 1) -> None:
         self.workers, self.slots, self.bundle = workers, slots, bundle
-        self.shape, self.dtype = (bundle, batch_size, width), numpy.dtype(dtype)
-        self.slot_bytes = bundle * batch_size * width * self.dtype.itemsize
+        self.batch_size = batch_size
+        self.fields = list(fields)
+        self.dtype = self.fields[0].dtype  # text's: what read-ahead builds rows in
+        self.shape = (bundle, batch_size, *self.fields[0].shape)
+        self._offsets, at = [], 0
+        for field in self.fields:
+            at = -(-at // 8) * 8  # every field 8-byte aligned
+            self._offsets.append(at)
+            at += bundle * batch_size * _row_bytes(field)
+        self.slot_bytes = -(-at // 8) * 8
         self.block = torch.empty(workers * slots * self.slot_bytes, dtype=torch.uint8).share_memory_()
         self._flat = self.block.numpy()
-        self._views: dict[tuple[int, int], numpy.ndarray] = {}
+        self._views: dict[tuple[int, int], dict[str, numpy.ndarray]] = {}
 
-    def view(self, worker: int, slot: int) -> numpy.ndarray:
-        """Slot ``slot`` of ``worker`` as ``[bundle, batch_size, width]`` of the ring's dtype."""
+    def view(self, worker: int, slot: int) -> dict[str, numpy.ndarray]:
+        """Slot ``slot`` of ``worker``: each field as ``[bundle, batch_size, *shape]`` of its dtype."""
         found = self._views.get((worker, slot))
         if found is None:
-            at = (worker * self.slots + slot) * self.slot_bytes
-            found = self._flat[at : at + self.slot_bytes].view(self.dtype).reshape(self.shape)
+            base = (worker * self.slots + slot) * self.slot_bytes
+            found = {}
+            for field, at in zip(self.fields, self._offsets, strict=True):
+                size = self.bundle * self.batch_size * _row_bytes(field)
+                found[field.name] = (
+                    self._flat[base + at : base + at + size]
+                    .view(field.dtype)
+                    .reshape(self.bundle, self.batch_size, *field.shape)
+                )
             self._views[(worker, slot)] = found
         return found
 
@@ -83,13 +110,20 @@ class BatchSource(IterableDataset):
     """Batches ``cursor.batches, +1, ...`` (before ``stop``) of a cursor's layout, split over workers."""
 
     def __init__(
-        self, stream: SampleStream, cursor: Cursor, stop: int | None, wrap: int | None, ring: BatchRing | None
+        self,
+        stream: SampleStream,
+        cursor: Cursor,
+        stop: int | None,
+        wrap: int | None,
+        ring: BatchRing | None,
+        boundaries: bool = False,
     ) -> None:
         self.stream = stream
         self.cursor = cursor
         self.stop = stop
         self.wrap = wrap
         self.ring = ring
+        self.boundaries = boundaries  # add cu_seqlens, max_seqlen, position_ids
 
     def positions(self, t: int) -> numpy.ndarray:
         """The stream positions that batch ``t`` reads (its sample ids modulo a validation wrap)."""
@@ -106,11 +140,14 @@ class BatchSource(IterableDataset):
                     return
                 yield t
 
-    def _build(self, t: int, out: numpy.ndarray | None = None, dtype: Any = numpy.int64) -> numpy.ndarray:
+    def _build(
+        self, t: int, out: dict[str, numpy.ndarray] | None = None, dtype: Any = numpy.int64
+    ) -> dict[str, numpy.ndarray]:
+        """Every field of batch ``t``, into ``out``'s arrays when given (``text`` in ``dtype`` otherwise)."""
         positions = self.positions(t)
         if out is None:
-            out = numpy.empty((positions.size, self.stream.seq_length + 1), dtype=dtype)
-        return self.stream.gather(positions, out=out)
+            out = {"text": numpy.empty((positions.size, self.stream.seq_length + 1), dtype=dtype)}
+        return gather_fields(self.stream, positions, self.boundaries, out)
 
     def batches(self, dtype: Any, worker: int = 0, workers: int = 1, bundle: int = 1) -> Iterator[tuple[int, Any]]:
         """``(t, rows)`` in order; rows is an array, or a future of one when reading ahead (remote data)."""
@@ -143,10 +180,12 @@ class BatchSource(IterableDataset):
                     view = ring.view(info.id, bundles % ring.slots)
                 if first is None:
                     first = t
+                target = {name: array[filled] for name, array in view.items()}
                 if rows is None:
-                    self._build(t, out=view[filled])
+                    self._build(t, out=target)
                 else:
-                    view[filled] = rows.result()
+                    for name, value in rows.result().items():
+                        target[name][...] = value
                 filled += 1
                 if filled == ring.bundle:
                     yield "bundle", info.id, bundles % ring.slots, first, filled
@@ -165,19 +204,24 @@ def receive(source: BatchSource, item: Any, expected: int) -> list[dict[str, tor
         raise StatefulsetError(f"DataLoader worker {worker}, building {where}: {message}")
     if item[0] == "bundle":
         _, worker, slot, t, count = item
-        ring = source.ring
-        # Widened out of the slot now: the worker may refill it once we ask for more.
-        texts = torch.empty((count, *ring.shape[1:]), dtype=torch.int64)  # type: ignore[union-attr]
-        texts.numpy()[:] = ring.view(worker, slot)[:count]  # type: ignore[union-attr]
-        rows = list(texts.unbind(0))
+        view = source.ring.view(worker, slot)  # type: ignore[union-attr]
+        batches: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
+        for name, array in view.items():
+            # Copied out of the slot now (text widened to int64): the worker may refill it once we
+            # ask for more.
+            dtype = torch.int64 if name == "text" else _TORCH_DTYPES[array.dtype]
+            values = torch.empty((count, *array.shape[1:]), dtype=dtype)
+            values.numpy()[:] = array[:count]
+            for batch, value in zip(batches, values.unbind(0), strict=True):
+                batch[name] = value
     else:
-        t, array = item
-        count, rows = 1, [torch.from_numpy(array)]
+        t, arrays = item
+        count, batches = 1, [{name: torch.from_numpy(value) for name, value in arrays.items()}]
     if t != expected:
         raise StatefulsetError(f"internal: expected micro-batch {expected}, a worker delivered {t}")
-    return [
-        {"text": text, "sample_id": torch.from_numpy(source.cursor.positions(t + i))} for i, text in enumerate(rows)
-    ]
+    for i, batch in enumerate(batches):
+        batch["sample_id"] = torch.from_numpy(source.cursor.positions(t + i))
+    return batches
 
 
 def describe_batch(source: BatchSource, t: int, workers: int) -> str:

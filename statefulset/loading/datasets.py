@@ -21,6 +21,7 @@ from statefulset.loading.state import Cursor
 from statefulset.loading.worker_config import WorkerConfig
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.base import SampleStream
+from statefulset.streams.documents import FieldSpec, field_layout, gather_fields
 from statefulset.streams.opening import open_stream
 from statefulset.streams.provenance import Provenance
 
@@ -31,11 +32,20 @@ class StreamDataset:
     """A split's stream with this rank's layout: what ``get_savable_loader`` turns into batches."""
 
     def __init__(
-        self, stream: SampleStream, batch_size: int, worker_config: WorkerConfig, repeat: bool, limit: int | None = None
+        self,
+        stream: SampleStream,
+        batch_size: int,
+        worker_config: WorkerConfig,
+        repeat: bool,
+        limit: int | None = None,
+        document_boundaries: bool = False,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise StatefulsetError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(document_boundaries, bool):
+            raise StatefulsetError(f"document_boundaries must be True or False, got {document_boundaries!r}")
         self.stream = stream
+        self.document_boundaries = document_boundaries
         self.batch_size = batch_size
         self.worker_config = worker_config
         self.repeat = repeat
@@ -62,16 +72,27 @@ class StreamDataset:
         stop = max(0, (end - cursor.base) // global_batch)
         return stop if self.limit is None else min(stop, self.limit)
 
+    def fields(self) -> list[FieldSpec]:
+        """What each row of a batch holds: ``text``, then ``loss_mask`` (bestfit) and the document fields."""
+        stream = self.stream
+        return field_layout(stream.seq_length, stream.token_dtype, self.document_boundaries, stream.padded)
+
     def __getitem__(self, position: int) -> dict[str, Any]:
-        """``{"text": int64 [seq_length + 1], "sample_id": p}``: the sample the loader puts at global position ``p``.
+        """``{"text": int64 [seq_length + 1], "sample_id": p, ...}``: the sample at global position ``p``.
 
         A pure function of the spec and ``p``, the same in every process, worker and rank. A finite
         (megatron) stream that repeats reads position ``p`` as ``p % len(stream)``, as the loader does.
+        Packing bestfit adds ``loss_mask``; ``document_boundaries=True`` adds ``cu_seqlens``,
+        ``max_seqlen`` and ``position_ids`` (docs/packing.md).
         """
         if isinstance(position, bool) or not isinstance(position, int | numpy.integer):
             raise TypeError(f"dataset positions are ints, not {type(position).__name__}")
         p = int(position)
-        return {"text": self.stream[self._read_position(p)]["text"], "sample_id": p}
+        read = numpy.array([self._read_position(p)], dtype=numpy.int64)
+        rows = gather_fields(self.stream, read, self.document_boundaries)
+        sample: dict[str, Any] = {name: value[0] for name, value in rows.items()}
+        sample["sample_id"] = p
+        return sample
 
     def _read_position(self, p: int) -> int:
         return p % len(self.stream) if self.repeat and not self.stream.unbounded and p >= 0 else p
@@ -123,13 +144,19 @@ def get_train_dataset(
     shuffle_over_epochs_multiplier: int | None = 1,
     task_encoder: Any = None,
     repeat: bool = True,
+    document_boundaries: bool = False,
     **kwargs: Any,
 ) -> StreamDataset:
-    """The training stream of a YAML spec (path, mapping or ``DatasetSpec``) for this rank; repeats by default."""
+    """The training stream of a YAML spec (path, mapping or ``DatasetSpec``) for this rank; repeats by default.
+
+    ``document_boundaries=True`` adds ``cu_seqlens``, ``max_seqlen`` and ``position_ids`` to every
+    sample and batch (docs/packing.md).
+    """
     _refuse_unknown(kwargs)
     _refuse_task_encoder(task_encoder, batch_drop_last)
     wc = worker_config if worker_config is not None else WorkerConfig.default_worker_config()
-    return StreamDataset(open_stream(path, _split(split_part)), batch_size, wc, repeat=repeat)
+    stream = open_stream(path, _split(split_part))
+    return StreamDataset(stream, batch_size, wc, repeat=repeat, document_boundaries=document_boundaries)
 
 
 def get_val_dataset(
@@ -142,6 +169,7 @@ def get_val_dataset(
     packing_buffer_size: int | None = None,
     limit: int | None = None,
     task_encoder: Any = None,
+    document_boundaries: bool = False,
     **kwargs: Any,
 ) -> StreamDataset:
     """The validation stream for this rank: one pass, never repeats; ``limit`` caps the batches."""
@@ -150,7 +178,8 @@ def get_val_dataset(
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise StatefulsetError(f"limit must be a non-negative int or None, got {limit!r}")
     wc = worker_config if worker_config is not None else WorkerConfig.default_worker_config()
-    return StreamDataset(open_stream(path, _split(split_part)), batch_size, wc, repeat=False, limit=limit)
+    stream = open_stream(path, _split(split_part))
+    return StreamDataset(stream, batch_size, wc, repeat=False, limit=limit, document_boundaries=document_boundaries)
 
 
 # Energon keywords that configure features this design has no use for; accepted so calls port unchanged.

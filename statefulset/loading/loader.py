@@ -48,10 +48,9 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
     ring = None
     if workers:
         slots = options["prefetch_factor"] + 1  # see statefulset.loading.batches
-        width = stream.seq_length + 1
-        bundle = bundle_size(dataset.batch_size, width, stream.token_dtype)
-        ring = BatchRing(workers, slots, dataset.batch_size, width, stream.token_dtype, bundle)
-    source = BatchSource(stream, cursor, dataset.stop_batch(cursor), wrap, ring)
+        fields = dataset.fields()
+        ring = BatchRing(workers, slots, dataset.batch_size, fields, bundle_size(dataset.batch_size, fields))
+    source = BatchSource(stream, cursor, dataset.stop_batch(cursor), wrap, ring, dataset.document_boundaries)
     # Worker seeds come from our own generator: creating the iterator never draws from (or
     # reseeds) the trainer's global torch RNG.
     seed = derive_key(stream.spec.seed, dataset.worker_config.seed_offset, dataset.worker_config.rank) >> 1

@@ -106,7 +106,9 @@ class DatasetSpec(BaseModel):
     seq_length: int
     split: str = "969,30,1"
     seed: int = 1234
-    packing: Literal["megatron", "native"] = "megatron"
+    packing: Literal["megatron", "native", "bestfit"] = "megatron"
+    # packing bestfit: the token id of padding (-1 when unset); never a token id of the shards.
+    pad_id: int | None = None
     num_samples: int | None = None
     path_to_cache: str | None = None
     # Handed to fsspec for every URL of the spec (endpoint_url, profile, key/secret, client_kwargs ...).
@@ -147,6 +149,8 @@ class DatasetSpec(BaseModel):
             raise ValueError("give data_path, or per-split train:/valid:/test: sections")
         if self.data_path is not None and per_split:
             raise ValueError("give either data_path (with split) or train:/valid:/test:, not both")
+        if self.pad_id is not None and self.packing != "bestfit":
+            raise ValueError(f"key 'pad_id': only packing bestfit pads samples; this spec has packing {self.packing}")
         if self.packing == "megatron" and not 0 <= self.seed <= _MEGATRON_SEED_MAX:
             # Checked here: numpy would raise a bare ValueError deep inside the index build.
             raise ValueError(

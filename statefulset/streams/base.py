@@ -18,6 +18,7 @@ import numpy
 from statefulset.errors import SequenceIndexError, StatefulsetError
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
+from statefulset.streams.documents import Pieces, merge_pieces
 from statefulset.streams.provenance import Provenance, explain
 
 # Megatron's add_extra_token_to_sequence: a sample holds seq_length + 1 tokens.
@@ -50,6 +51,8 @@ class SampleStream:
         # travel in between processes), and whether any source is read from object storage.
         self.token_dtype = numpy.dtype(numpy.int64)
         self.remote = False
+        # Whether samples may end in padding (packing bestfit): rows then carry a loss_mask.
+        self.padded = False
 
     def __len__(self) -> int:
         return self._length
@@ -75,6 +78,17 @@ class SampleStream:
 
         ``out`` may also have a narrower dtype that holds every token (``token_dtype``).
         """
+        return self._gather(positions, out, False)[0]
+
+    def gather_pieces(self, positions: Any, out: numpy.ndarray | None = None) -> tuple[numpy.ndarray, Pieces]:
+        """:meth:`gather`, and the documents inside each row (:mod:`statefulset.streams.documents`)."""
+        out, pieces = self._gather(positions, out, True)
+        if pieces is None:  # no position
+            empty = numpy.empty(0, dtype=numpy.int64)
+            pieces = Pieces(empty, empty, empty)
+        return out, pieces
+
+    def _gather(self, positions: Any, out: numpy.ndarray | None, want: bool) -> tuple[numpy.ndarray, Pieces | None]:
         p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
         if p.size and (int(p.min()) < 0 or (not self.unbounded and int(p.max()) >= self._length)):
             bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
@@ -94,11 +108,11 @@ class SampleStream:
                 f"gather: out must be C-contiguous {(p.size, width)} of a dtype holding {self.token_dtype}, "
                 f"got {out.shape} {out.dtype}"
             )
-        if p.size:
-            self._fill(p, out)
-        return out
+        pieces = self._fill(p, out, want) if p.size else None
+        return out, pieces
 
-    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
+        """Rows of ``out`` for ``positions``; with ``want``, also their pieces."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -106,17 +120,22 @@ class SampleStream:
         return f"{type(self).__name__}({self.split}, seq_length={self.seq_length}, {size})"
 
 
-def _fill_by_source(which: numpy.ndarray, local: numpy.ndarray, out: numpy.ndarray, sources: list[Any]) -> None:
+def _fill_by_source(
+    which: numpy.ndarray, local: numpy.ndarray, out: numpy.ndarray, sources: list[Any], want: bool = False
+) -> Pieces | None:
     """Rows of ``out`` from several sources: each source gathers its rows in one call."""
     present = sorted(set(which.tolist()))  # not numpy.unique: its first call imports numpy.ma (~7 ms)
     if len(present) == 1:
-        sources[present[0]].fill(local, out)
-        return
+        return sources[present[0]].fill(local, out, want)
+    parts = []
     for d in present:
         rows = numpy.flatnonzero(which == d)
         block = numpy.empty((rows.size, out.shape[1]), dtype=out.dtype)
-        sources[d].fill(local[rows], block)
+        pieces = sources[d].fill(local[rows], block, want)
         out[rows] = block
+        if want:
+            parts.append((rows, pieces))
+    return merge_pieces(out.shape[0], parts) if want else None
 
 
 @dataclass(frozen=True)

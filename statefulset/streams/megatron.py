@@ -17,6 +17,7 @@ from statefulset.index.megatron.gpt import build_gpt_indices, warn_if_sample_exc
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.base import EXTRA, OpenedSources, SampleStream, _fill_by_source
+from statefulset.streams.documents import Pieces
 
 # Batches up to this many samples are planned on Python ints, larger gathers with numpy.
 _LIST_PLAN_MAX_SAMPLES = 64
@@ -54,11 +55,14 @@ class GPTSource:
     def __len__(self) -> int:
         return int(self.sample_index.shape[0]) - 1
 
-    def fill(self, local: numpy.ndarray, out: numpy.ndarray) -> None:
+    def fill(self, local: numpy.ndarray, out: numpy.ndarray, want: bool = False) -> Pieces | None:
+        """Rows of ``out`` for the GPTDataset samples ``local``; with ``want``, their pieces.
+
+        The pieces are megatron-core's ``document_lengths`` (the extra token included).
+        """
         k = self.shuffle_index[local].astype(numpy.int64)
         if k.size > _LIST_PLAN_MAX_SAMPLES:
-            self._fill_vectorised(k, out)
-            return
+            return self._fill_vectorised(k, out, want)
         # A batch: rows k and k+1 of sample_index in one lookup, then a plan on Python ints (numpy's
         # per-call overhead would dominate for a few samples). Sample b is the pieces
         # document_index[first_b .. last_b]: the first starts at the sample's offset, the last ends
@@ -79,8 +83,13 @@ class GPTSource:
                 lengths[final] = end + EXTRA
             at = final + 1
         self.dataset.gather(starts, lengths, out.reshape(-1))
+        if not want:
+            return None
+        counts = numpy.array([last - first + 1 for first, _, last, _ in bounds], dtype=numpy.int64)
+        width = numpy.full(counts.size, out.shape[1], dtype=numpy.int64)
+        return Pieces(counts, numpy.array(lengths, dtype=numpy.int64), width)
 
-    def _fill_vectorised(self, k: numpy.ndarray, out: numpy.ndarray) -> None:
+    def _fill_vectorised(self, k: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
         begin = self.sample_index[k].astype(numpy.int64)
         end = self.sample_index[k + 1].astype(numpy.int64)
         pieces = end[:, 0] - begin[:, 0] + 1
@@ -102,6 +111,9 @@ class GPTSource:
             starts = self._first_tokens(seq) + lo
             lengths = hi - lo
         self.dataset.gather(starts, lengths, out.reshape(-1))
+        if not want:
+            return None
+        return Pieces(pieces, lengths.astype(numpy.int64), numpy.full(k.size, out.shape[1], dtype=numpy.int64))
 
 
 class MegatronStream(SampleStream):
@@ -114,13 +126,12 @@ class MegatronStream(SampleStream):
         self.blend = blend
         self.blend_counts: numpy.ndarray | None = None  # samples the blend draws from each source
 
-    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
         if self.blend is None:
-            self.sources[0].fill(positions, out)
-            return
+            return self.sources[0].fill(positions, out, want)
         which = self.blend["dataset_index"][positions].astype(numpy.int64)
         local = self.blend["dataset_sample_index"][positions].astype(numpy.int64)
-        _fill_by_source(which, local, out, self.sources)
+        return _fill_by_source(which, local, out, self.sources, want)
 
 
 def open_megatron(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> MegatronStream:

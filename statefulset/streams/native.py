@@ -10,22 +10,48 @@ from typing import Any
 
 import numpy
 
+from statefulset.errors import StatefulsetError
 from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.keys import derive_key
 from statefulset.index.native.windows import WindowSource
 from statefulset.spec.model import DatasetSpec
 from statefulset.spec.splits import SPLITS
 from statefulset.streams.base import OpenedSources, SampleStream, _fill_by_source
+from statefulset.streams.documents import Pieces, within_rows
 
 
 class _WindowFiller:
     def __init__(self, source: WindowSource) -> None:
         self.source = source
+        lo, hi = source.sequence_range
+        self._sequence_starts = source.dataset.sequence_pointers[lo:hi]  # bytes, mapped: searched, never copied
 
-    def fill(self, local: numpy.ndarray, out: numpy.ndarray) -> None:
+    def fill(self, local: numpy.ndarray, out: numpy.ndarray, want: bool = False) -> Pieces | None:
         starts = self.source.window_starts(local)
         lengths = numpy.full(starts.shape, out.shape[1], dtype=numpy.int64)
         self.source.dataset.gather(starts, lengths, out.reshape(-1))
+        return self._pieces(starts, out.shape[1]) if want else None
+
+    def _pieces(self, starts: numpy.ndarray, width: int) -> Pieces:
+        """The sequences each window crosses: cut where a sequence starts strictly inside it."""
+        item = self.source.dataset.dtype.itemsize
+        first = numpy.searchsorted(self._sequence_starts, starts * item, side="right")
+        stop = numpy.searchsorted(self._sequence_starts, (starts + width) * item, side="left")
+        cuts = stop - first
+        rows = starts.size
+        # Per row: 0, the cut points, width; its pieces are the differences (empty sequences dropped).
+        marks = numpy.empty(int(cuts.sum()) + 2 * rows, dtype=numpy.int64)
+        row_first = numpy.cumsum(cuts + 2) - (cuts + 2)
+        marks[row_first] = 0
+        marks[row_first + cuts + 1] = width
+        inner = numpy.repeat(row_first + 1, cuts) + within_rows(cuts)
+        at = numpy.repeat(first, cuts) + within_rows(cuts)
+        marks[inner] = self._sequence_starts[at] // item - numpy.repeat(starts, cuts)
+        lengths = numpy.diff(marks)
+        row = numpy.repeat(numpy.arange(rows, dtype=numpy.int64), cuts + 2)[:-1]
+        keep = (lengths > 0) & (row == numpy.repeat(numpy.arange(rows, dtype=numpy.int64), cuts + 2)[1:])
+        counts = numpy.bincount(row[keep], minlength=rows).astype(numpy.int64)
+        return Pieces(counts, lengths[keep], numpy.full(rows, width, dtype=numpy.int64))
 
 
 class NativeStream(SampleStream):
@@ -38,12 +64,18 @@ class NativeStream(SampleStream):
         self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
         self._fillers = [_WindowFiller(s) for s in sources]
 
-    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray) -> None:
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples in one epoch of the spec's only source (epoch e is positions [e*n, (e+1)*n))."""
+        if len(self.sources) != 1:
+            raise StatefulsetError("samples_per_epoch: a blend's sources have epochs of their own")
+        return self.sources[0].windows
+
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
         if self.schedule is None:
-            self._fillers[0].fill(positions, out)
-            return
+            return self._fillers[0].fill(positions, out, want)
         which, local = self.schedule.locate(positions)
-        _fill_by_source(which, local, out, self._fillers)
+        return _fill_by_source(which, local, out, self._fillers, want)
 
 
 def open_native(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> NativeStream:

@@ -26,6 +26,7 @@ from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec, load_spec
 from statefulset.spec.splits import SPLITS, parse_split, split_matrix, split_range
 from statefulset.streams.base import OpenedSources, SampleStream
+from statefulset.streams.bestfit import open_bestfit
 from statefulset.streams.megatron import open_megatron
 from statefulset.streams.native import open_native
 from statefulset.streams.overview import record_open
@@ -120,9 +121,15 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests, cache_root)
     if spec.packing == "native":
         stream: SampleStream = open_native(spec, split, identity, opened)
+    elif spec.packing == "bestfit":
+        stream = open_bestfit(spec, split, identity, opened)
     else:
         stream = open_megatron(spec, split, identity, opened)
-    # Batches travel between processes in the narrowest dtype that holds every source's tokens.
-    stream.token_dtype = numpy.result_type(*[d.dtype for d in datasets])
+    # Batches travel between processes in the narrowest dtype that holds every source's tokens
+    # (and the padding id, for packing bestfit).
+    dtypes = [d.dtype for d in datasets]
+    if stream.padded:
+        dtypes.append(numpy.min_scalar_type(stream.pad_id))  # type: ignore[attr-defined]
+    stream.token_dtype = numpy.result_type(*dtypes)
     stream.remote = any(d.is_remote for d in datasets)
     return stream

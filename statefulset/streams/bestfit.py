@@ -1,0 +1,126 @@
+"""``packing: bestfit``: samples of whole documents (best-fit decreasing in windows), padded with ``pad_id``.
+
+Sources are :class:`statefulset.index.bestfit.source.BestFitSource` (their bins-per-window
+table comes from the content-keyed index cache, or is built once), blended position by position
+by the native blend tree (:mod:`statefulset.index.native.blend_tree`), so a bestfit stream has
+the shape of a native one: every ``p >= 0`` is a sample, a restore is a seek.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from statefulset.errors import StatefulsetError
+from statefulset.index.bestfit.source import BestFitSource, build_bins, window_documents
+from statefulset.index.cache import IndexCache
+from statefulset.index.native.blend_tree import BlendSchedule
+from statefulset.index.native.keys import derive_key
+from statefulset.spec.model import DatasetSpec
+from statefulset.spec.splits import SPLITS
+from statefulset.streams.base import OpenedSources, SampleStream, _fill_by_source
+from statefulset.streams.documents import Pieces
+
+DEFAULT_PAD_ID = -1
+BESTFIT_VERSION = 1  # of the dealing and packing rules: part of every cache key and fingerprint
+
+
+class _BinFiller:
+    def __init__(self, source: BestFitSource, pad_id: int) -> None:
+        self.source = source
+        self.pad_id = pad_id
+
+    def fill(self, local: numpy.ndarray, out: numpy.ndarray, want: bool = False) -> Pieces | None:
+        starts, lengths, counts, used = self.source.plan(local)
+        width = out.shape[1]
+        if all(u == width for u in used):
+            self.source.dataset.gather(starts, lengths, out.reshape(-1))
+        else:
+            real = numpy.empty(sum(used), dtype=out.dtype)
+            self.source.dataset.gather(starts, lengths, real)
+            used_array = numpy.array(used, dtype=numpy.int64)
+            out[...] = self.pad_id
+            out[numpy.arange(width)[None, :] < used_array[:, None]] = real
+        if not want:
+            return None
+        return Pieces(
+            numpy.array(counts, dtype=numpy.int64),
+            numpy.array(lengths, dtype=numpy.int64),
+            numpy.array(used, dtype=numpy.int64),
+        )
+
+
+class BestFitStream(SampleStream):
+    """Bins of whole documents of each source, blended position by position."""
+
+    def __init__(self, spec, split, identity, sources: list[BestFitSource], weights: list[float], pad_id: int):
+        super().__init__(spec, split, identity, sum(s.samples_per_epoch for s in sources), unbounded=True)
+        self.sources = sources
+        self.weights = weights
+        self.pad_id = pad_id
+        self.padded = True
+        self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
+        self._fillers = [_BinFiller(s, pad_id) for s in sources]
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples in one epoch of the spec's only source (epoch e is positions [e*n, (e+1)*n))."""
+        if len(self.sources) != 1:
+            raise StatefulsetError("samples_per_epoch: a blend's sources have epochs of their own")
+        return self.sources[0].samples_per_epoch
+
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
+        if self.schedule is None:
+            return self._fillers[0].fill(positions, out, want)
+        which, local = self.schedule.locate(positions)
+        return _fill_by_source(which, local, out, self._fillers, want)
+
+
+def check_pad_id(spec: DatasetSpec, opened: OpenedSources) -> int:
+    """The spec's pad id, refused when it is a token id the shards can hold."""
+    pad_id = DEFAULT_PAD_ID if spec.pad_id is None else spec.pad_id
+    for dataset in opened.datasets:
+        info = numpy.iinfo(dataset.dtype)
+        if 0 <= pad_id <= info.max:
+            raise spec.error(
+                "pad_id",
+                f"{pad_id} is a token id of {dataset.path_prefix} ({dataset.dtype} holds 0..{info.max}); padding "
+                f"must differ from every token: use a negative id (default {DEFAULT_PAD_ID}) or one above {info.max}",
+            )
+    if not -(2**63) <= pad_id < 2**63:
+        raise spec.error("pad_id", f"{pad_id} does not fit in int64")
+    return pad_id
+
+
+def open_bestfit(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> BestFitStream:
+    """Each source's bins per window (cached, or built in one pass), blended as native sources are."""
+    pad_id = check_pad_id(spec, opened)
+    cache = IndexCache(opened.cache_root)
+    capacity = spec.seq_length + 1
+    sources = []
+    for i, (dataset, (lo, hi)) in enumerate(zip(opened.datasets, opened.ranges, strict=True)):
+        key = derive_key(spec.seed, i, SPLITS.index(split))
+        first, last = dataset.token_span(lo, hi)
+        window = window_documents(hi - lo, last - first, capacity)
+        description = {
+            "kind": "BestFitBins",
+            "version": BESTFIT_VERSION,
+            "idx_digest": opened.digests[i],
+            "sequences": [lo, hi],
+            "seq_length": spec.seq_length,
+            "key": key,
+            "window": window,
+        }
+
+        def build(dataset=dataset, lo=lo, hi=hi, key=key, window=window) -> dict[str, numpy.ndarray]:
+            return {"bins": build_bins(dataset, (lo, hi), spec.seq_length, key, window)}
+
+        with spec.blame("path_to_cache"):
+            bins = cache.get_or_build("BestFitBins", description, build)["bins"]
+        with spec.blame(spec.data_key(split)):
+            sources.append(BestFitSource(dataset, (lo, hi), spec.seq_length, key, window, bins))
+    identity["pad_id"] = pad_id
+    identity["bestfit"] = BESTFIT_VERSION
+    weights = [float(w) for _, w in opened.live] if opened.weighted else [float(s.samples_per_epoch) for s in sources]
+    return BestFitStream(spec, split, identity, sources, weights, pad_id)

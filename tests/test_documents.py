@@ -1,0 +1,238 @@
+"""Document boundaries (cu_seqlens, max_seqlen, position_ids) for every packing.
+
+Packing megatron is compared with megatron-core 0.19.2's ``GPTDataset(inter_document_masking=True)``
+(and its BlendedDataset) at every position of whole streams; native and bestfit against a
+brute-force reading of the tokens themselves (a corpus whose tokens say which document and
+offset they are); the vectorised rule against a per-row transcription of megatron-core's loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import numpy
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset, get_val_dataset
+from statefulset.errors import StatefulsetError
+from statefulset.spec.splits import SPLITS
+from statefulset.streams.documents import Pieces, document_fields, gather_fields
+from statefulset.streams.opening import open_stream
+
+builder_module = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+gpt_module = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+STRIDE = 1000  # token = document * STRIDE + offset: a token says where it comes from
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_process_group(tmp_path_factory):
+    """megatron-core's BlendedDataset asks for the rank even without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Three shards: empty sequences, multi-sequence documents, lengths from 1 to past a sample."""
+    root = tmp_path_factory.mktemp("documents")
+    rng = numpy.random.default_rng(3)
+    prefixes = []
+    for k, (mean, count) in enumerate([(12, 700), (40, 400), (150, 200)]):
+        prefix = str(root / f"part_{k}")
+        with IndexedDatasetWriter(prefix, numpy.int32) as w:
+            sequence = 0
+            for _ in range(count):
+                lengths = [
+                    min(STRIDE - 2, int(rng.geometric(1 / mean))) if rng.random() > 0.04 else 0
+                    for _ in range(1 + (k == 1))
+                ]
+                tokens = [sequence + i for i in range(len(lengths))]
+                w.add_document(
+                    numpy.concatenate(
+                        [t * STRIDE + numpy.arange(n) for t, n in zip(tokens, lengths, strict=True)] + [[]]
+                    ).astype(numpy.int32),
+                    lengths=lengths,
+                )
+                sequence += len(lengths)
+        prefixes.append(prefix)
+    return prefixes
+
+
+def megatron_build(prefixes, weights, seed, seq_length, split, sizes):
+    logging.disable(logging.WARNING)
+    config = gpt_module.GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, tokenizer=NullTokenizer(50256), reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, path_to_cache=None, create_attention_mask=False,
+        blend=(prefixes, weights), split=split, inter_document_masking=True,
+    )  # fmt: skip
+    return builder_module.BlendedMegatronDatasetBuilder(gpt_module.GPTDataset, sizes, lambda: True, config).build()
+
+
+def assert_fields_equal(ours: dict, theirs: list[dict]) -> None:
+    expected_cu = numpy.stack([t["cu_seqlens"].numpy() for t in theirs])
+    numpy.testing.assert_array_equal(ours["cu_seqlens"], expected_cu)
+    numpy.testing.assert_array_equal(ours["max_seqlen"], numpy.array([int(t["max_seqlen"]) for t in theirs]))
+    numpy.testing.assert_array_equal(ours["position_ids"], numpy.stack([t["position_ids"].numpy() for t in theirs]))
+    assert ours["cu_seqlens"].dtype == numpy.int32 and ours["max_seqlen"].dtype == numpy.int32
+    assert ours["position_ids"].dtype == numpy.int64
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_megatron_packing_equals_megatron_core_inter_document_masking(corpus, case):
+    r = random.Random(case)
+    count = r.choice([1, 1, 2, 3])
+    prefixes = r.sample(corpus, count)
+    weights = [round(r.uniform(0.2, 2), 2) for _ in prefixes] if count > 1 and r.random() < 0.6 else None
+    seq_length = r.choice([8, 33, 64, 200] if count == 1 else [8, 33, 64])
+    seed = r.randint(0, 2**31 - 1)
+    split = r.choice(["1", "90,8,2", "80,20,0"] if count == 1 else ["1", "85,15,0"])
+    num_samples = r.choice([None, 3000]) if weights is None else 2000
+    theirs = megatron_build(prefixes, weights, seed, seq_length, split, [num_samples, 1 if weights else None, 1 if weights else None])
+    data_path = [x for pair in zip(weights, prefixes, strict=True) for x in pair] if weights else list(prefixes)
+    spec = {"data_path": data_path, "seq_length": seq_length, "split": split, "seed": seed, "num_samples": num_samples}
+    for index, name in enumerate(SPLITS):
+        if theirs[index] is None or (index and weights):
+            continue
+        get = get_train_dataset if name == "train" else get_val_dataset
+        ds = get(spec, split_part=name, batch_size=1, document_boundaries=True)
+        n = len(ds.stream)
+        assert n == len(theirs[index])
+        expected = [theirs[index][i] for i in range(n)]
+        # The whole stream at once (the vectorised plan) and sample by sample (the small-batch plan).
+        assert_fields_equal(gather_fields(ds.stream, numpy.arange(n), True), expected)
+        for p in random.Random(case).sample(range(n), min(n, 25)):
+            one = ds[p]
+            assert_fields_equal({k: one[k][None] for k in ("cu_seqlens", "max_seqlen", "position_ids")}, [expected[p]])
+            numpy.testing.assert_array_equal(one["text"][:-1], expected[p]["tokens"].numpy())
+
+
+def brute_force_fields(text: numpy.ndarray, pad_id: int | None = None) -> dict:
+    """Segments read off the tokens: a document continues where a token is its predecessor + 1."""
+    rows = []
+    for row in text:
+        segments, length = [], 1
+        for a, b in zip(row[:-1], row[1:], strict=True):
+            same = (b == a + 1) if a != pad_id else (b == pad_id)
+            if same:
+                length += 1
+            else:
+                segments.append(length)
+                length = 1
+        segments.append(length)
+        rows.append(_megatron_rule(segments, len(row) - 1))
+    return {k: numpy.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _megatron_rule(document_lengths: list[int], seq_length: int) -> dict:
+    """megatron-core 0.19's GPTDataset.__getitem__ (inter_document_masking), one sample, transcribed."""
+    lengths = list(document_lengths)
+    lengths[-1] -= 1
+    if lengths[-1] == 0:
+        lengths.pop()
+    shortfall = seq_length - sum(lengths)
+    if shortfall > 0:
+        if lengths:
+            lengths[-1] += shortfall
+        else:
+            lengths.append(shortfall)
+    cu = numpy.cumsum([0] + lengths)
+    position_ids = numpy.arange(seq_length, dtype=numpy.int64)
+    for i in range(1, len(cu)):
+        position_ids[cu[i - 1] : cu[i]] = numpy.arange(cu[i] - cu[i - 1])
+    padded = numpy.full(seq_length + 1, seq_length, dtype=numpy.int32)
+    padded[: len(cu)] = cu
+    return {"cu_seqlens": padded, "max_seqlen": numpy.int32(numpy.diff(cu).max()), "position_ids": position_ids}
+
+
+@pytest.mark.parametrize("packing", ["native", "bestfit"])
+@pytest.mark.parametrize("seq_length", [7, 64, 300])
+def test_native_and_bestfit_boundaries_are_where_the_documents_are(corpus, packing, seq_length):
+    spec = {"data_path": {corpus[0]: 0.3, corpus[1]: 0.3, corpus[2]: 0.4}, "seq_length": seq_length}
+    stream = open_stream({**spec, "packing": packing, "split": "1"})
+    positions = numpy.arange(600)
+    fields = gather_fields(stream, positions, True)
+    expected = brute_force_fields(fields["text"], -1 if packing == "bestfit" else None)
+    for name in ("cu_seqlens", "max_seqlen", "position_ids"):
+        numpy.testing.assert_array_equal(fields[name], expected[name], err_msg=name)
+
+
+@st.composite
+def piece_rows(draw):
+    """A seq_length and rows of pieces: cut points of the real tokens, empty pieces mid-row, padding."""
+    seq_length = draw(st.integers(2, 40))
+    width = seq_length + 1
+    rows = []
+    for _ in range(draw(st.integers(1, 5))):
+        pad = draw(st.integers(0, width - 1))
+        real = width - pad
+        cuts = sorted(draw(st.lists(st.integers(1, real - 1), max_size=8, unique=True))) if real > 1 else []
+        pieces = numpy.diff([0, *cuts, real]).tolist()
+        if pad == 0 and len(pieces) > 1:  # empty sequences (megatron keeps them) before the last piece
+            for _ in range(draw(st.integers(0, 3))):
+                pieces.insert(draw(st.integers(0, len(pieces) - 1)), 0)
+        rows.append((pieces, pad))
+    return seq_length, rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(piece_rows())
+def test_vectorised_rule_equals_megatron_core_per_row(case):
+    seq_length, rows = case
+    pieces = Pieces(
+        numpy.array([len(p) for p, _ in rows]),
+        numpy.array([n for p, _ in rows for n in p], dtype=numpy.int64),
+        numpy.array([seq_length + 1 - pad for _, pad in rows]),
+    )
+    segments = [p + ([pad] if pad else []) for p, pad in rows]
+    overflow = any(len(s) - (s[-1] == 1) > seq_length for s in segments)
+    if overflow:
+        with pytest.raises(StatefulsetError, match="more than cu_seqlens has room"):
+            document_fields(pieces, seq_length)
+        return
+    got = document_fields(pieces, seq_length)
+    expected = [_megatron_rule(s, seq_length) for s in segments]
+    for name in ("cu_seqlens", "max_seqlen", "position_ids"):
+        numpy.testing.assert_array_equal(got[name], numpy.stack([e[name] for e in expected]), err_msg=name)
+
+
+@pytest.mark.parametrize("packing", ["megatron", "native", "bestfit"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_boundaries_travel_with_batches_from_workers(corpus, packing, workers):
+    spec = {"data_path": corpus[1], "seq_length": 50, "packing": packing, "split": "1"}
+    wc = WorkerConfig(rank=1, world_size=2, num_workers=workers)
+    ds = get_train_dataset(spec, batch_size=3, worker_config=wc, document_boundaries=True)
+    loader = get_savable_loader(ds)
+    names = {"text", "sample_id", "cu_seqlens", "max_seqlen", "position_ids"} | (
+        {"loss_mask"} if packing == "bestfit" else set()
+    )
+    dtypes = {"cu_seqlens": torch.int32, "max_seqlen": torch.int32, "position_ids": torch.int64,
+              "loss_mask": torch.float32, "text": torch.int64}  # fmt: skip
+    for _, batch in zip(range(12), loader, strict=False):
+        assert set(batch) == names
+        for j, p in enumerate(batch["sample_id"].tolist()):
+            sample = ds[p]
+            for name in names - {"sample_id"}:
+                assert batch[name].dtype == dtypes[name]
+                numpy.testing.assert_array_equal(batch[name][j].numpy(), sample[name], err_msg=name)
+
+
+def test_without_boundaries_batches_carry_no_extra_fields(corpus):
+    ds = get_train_dataset({"data_path": corpus[0], "seq_length": 16, "split": "1"}, batch_size=2)
+    assert set(next(iter(get_savable_loader(ds)))) == {"text", "sample_id"}
+    assert set(ds[0]) == {"text", "sample_id"}
+    with pytest.raises(StatefulsetError, match="document_boundaries must be True or False"):
+        get_train_dataset({"data_path": corpus[0], "seq_length": 16}, batch_size=2, document_boundaries="yes")
