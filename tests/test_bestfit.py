@@ -122,7 +122,9 @@ def test_a_pad_id_the_shards_can_hold_is_refused(tmp_path, pad_id, dtype, refuse
     write_corpus(str(tmp_path / "s"), [40] * 50, dtype)
     spec = {"data_path": str(tmp_path / "s"), "seq_length": 16, "packing": "bestfit", "pad_id": pad_id}
     if refused:
-        with pytest.raises(StatefulsetError, match=rf"key 'pad_id'.*{pad_id} is a token id of .*s \({numpy.dtype(dtype)}"):
+        with pytest.raises(
+            StatefulsetError, match=rf"key 'pad_id'.*{pad_id} is a token id of .*s \({numpy.dtype(dtype)}"
+        ):
             open_stream(spec)
     else:
         stream = open_stream(spec)
@@ -132,7 +134,7 @@ def test_a_pad_id_the_shards_can_hold_is_refused(tmp_path, pad_id, dtype, refuse
 
 def test_pad_id_belongs_to_bestfit_only(tmp_path):
     write_corpus(str(tmp_path / "s"), [40] * 50)
-    with pytest.raises(StatefulsetError, match="key 'pad_id'.*packing native"):
+    with pytest.raises(StatefulsetError, match=r"key 'pad_id'.*packing native"):
         load_spec({"data_path": str(tmp_path / "s"), "seq_length": 16, "packing": "native", "pad_id": -1})
 
 
@@ -173,7 +175,7 @@ def test_a_blend_draws_each_source_by_weight(corpus):
 
 def test_samples_per_epoch_is_for_one_source(corpus):
     root, _ = corpus
-    with pytest.raises(StatefulsetError, match="a blend's sources have epochs of their own"):
+    with pytest.raises(StatefulsetError, match=r"a blend's sources have epochs of their own"):
         _ = open_stream(spec_for(root, data_path={str(root / "web"): 1, str(root / "code"): 1})).samples_per_epoch
 
 

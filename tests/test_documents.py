@@ -8,6 +8,7 @@ offset they are); the vectorised rule against a per-row transcription of megatro
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 
@@ -101,7 +102,9 @@ def test_megatron_packing_equals_megatron_core_inter_document_masking(corpus, ca
     seed = r.randint(0, 2**31 - 1)
     split = r.choice(["1", "90,8,2", "80,20,0"] if count == 1 else ["1", "85,15,0"])
     num_samples = r.choice([None, 3000]) if weights is None else 2000
-    theirs = megatron_build(prefixes, weights, seed, seq_length, split, [num_samples, 1 if weights else None, 1 if weights else None])
+    theirs = megatron_build(
+        prefixes, weights, seed, seq_length, split, [num_samples, 1 if weights else None, 1 if weights else None]
+    )
     data_path = [x for pair in zip(weights, prefixes, strict=True) for x in pair] if weights else list(prefixes)
     spec = {"data_path": data_path, "seq_length": seq_length, "split": split, "seed": seed, "num_samples": num_samples}
     for index, name in enumerate(SPLITS):
@@ -125,7 +128,7 @@ def brute_force_fields(text: numpy.ndarray, pad_id: int | None = None) -> dict:
     rows = []
     for row in text:
         segments, length = [], 1
-        for a, b in zip(row[:-1], row[1:], strict=True):
+        for a, b in itertools.pairwise(row):
             same = (b == a + 1) if a != pad_id else (b == pad_id)
             if same:
                 length += 1
@@ -149,7 +152,7 @@ def _megatron_rule(document_lengths: list[int], seq_length: int) -> dict:
             lengths[-1] += shortfall
         else:
             lengths.append(shortfall)
-    cu = numpy.cumsum([0] + lengths)
+    cu = numpy.cumsum([0, *lengths])
     position_ids = numpy.arange(seq_length, dtype=numpy.int64)
     for i in range(1, len(cu)):
         position_ids[cu[i - 1] : cu[i]] = numpy.arange(cu[i] - cu[i - 1])
