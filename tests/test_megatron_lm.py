@@ -25,7 +25,7 @@ from statefulset import (
     get_savable_loader,
     get_train_dataset,
 )
-from statefulset.integrations.megatron.batch import GPTBatchConfig, gpt_batch
+from statefulset.integrations.megatron.batch import GPTBatchConfig, GPTDocumentBatch, gpt_batch
 from statefulset.integrations.megatron.builder import build_megatron_iterators
 from statefulset.integrations.megatron.state_files import (
     load_megatron_dataloader_state,
@@ -61,7 +61,7 @@ def eod_corpus(tmp_path_factory):
     return prefix
 
 
-def _megatron_gpt(prefix, flags, pad):
+def _megatron_gpt(prefix, flags, pad, inter_document_masking=False):
     gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
     builder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
@@ -78,6 +78,7 @@ def _megatron_gpt(prefix, flags, pad):
         reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss, create_attention_mask=create_attention_mask,
         blend=([prefix], None), split="90,10,0", path_to_cache=None,
+        **({"inter_document_masking": True} if inter_document_masking else {}),
     )  # fmt: skip
     train = builder.BlendedMegatronDatasetBuilder(gpt.GPTDataset, [None, None, None], lambda: True, config).build()[0]
     # megatron-core 0.16.1 caches the masks when no reset/eod option is set and then zeroes the
@@ -105,6 +106,35 @@ def test_gpt_batch_equals_megatron_core(eod_corpus, flags, pad):
         expected = torch.stack([item[key] for item in items])
         assert got[key].dtype == expected.dtype and got[key].shape == expected.shape, key
         assert torch.equal(got[key], expected), key
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["no-pad", "pad5"])
+@pytest.mark.parametrize("eod_mask_loss", [False, True])
+def test_inter_document_masking_batch_equals_megatron_core(eod_corpus, eod_mask_loss, pad):
+    """megatron-core 0.19's batch with inter_document_masking: tokens, labels, loss_mask, position_ids, cu_seqlens,
+    max_seqlen, from the loader's batch fields (document_boundaries=True), through the Megatron builder too."""
+    config, theirs = _megatron_gpt(eod_corpus, (False, False, eod_mask_loss, False), pad, inter_document_masking=True)
+    ours = GPTBatchConfig.from_gpt_dataset_config(config)
+    assert ours.inter_document_masking
+    spec = {"data_path": eod_corpus, "seq_length": 16, "split": "90,10,0", "seed": 7}
+    ds = get_train_dataset(spec, batch_size=len(theirs), document_boundaries=True)
+    batch = next(iter(get_savable_loader(ds)))
+    got = gpt_batch(batch["text"], ours, batch)
+    items = [theirs[i] for i in range(len(theirs))]
+    assert set(got) == set(items[0]) == {"tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "max_seqlen"}
+    for key in items[0]:
+        expected = torch.stack([item[key] for item in items])
+        assert got[key].dtype == expected.dtype and got[key].shape == expected.shape, key
+        assert torch.equal(got[key], expected), key
+    with pytest.raises(StatefulsetError, match="document_boundaries=True"):
+        gpt_batch(batch["text"], ours, {})
+    data = build_megatron_iterators(spec, ParallelLayout(1), rank=0, micro_batch_size=4, batch_config=ours,
+                                    num_workers=0, valid=False, test=False)  # fmt: skip
+    got = data.get_batch()
+    assert isinstance(got, GPTDocumentBatch) and got.attention_mask is None
+    for key in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "max_seqlen"):
+        expected = torch.stack([items[i][key] for i in range(4)])
+        assert torch.equal(getattr(got, key), expected), key
 
 
 def test_pad_token_follows_megatron_core(eod_corpus):

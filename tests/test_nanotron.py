@@ -15,7 +15,7 @@ import pytest
 import torch
 from ranks import init_rank, spawn
 
-from statefulset import ParallelLayout, StatefulsetError, create_parallel_groups, open_stream
+from statefulset import IndexedDatasetWriter, ParallelLayout, StatefulsetError, create_parallel_groups, open_stream
 from statefulset.integrations.nanotron.batch import NANOTRON_KEYS, TensorPointer, clm_micro_batch
 from statefulset.integrations.nanotron.context import layout_from_parallel_context
 from statefulset.integrations.nanotron.dataloader import build_nanotron_dataloader
@@ -341,3 +341,44 @@ def test_a_corrupt_shard_fails_every_stage_instead_of_hanging_the_output_stage(t
     for rank in range(2):
         message = torch.load(tmp_path / f"{rank}.pt")
         assert message.startswith("rank 0: ") and idx.name in message, message
+
+
+def _nanotron_collator_with_position_ids(examples: list[dict], sequence_length: int) -> dict:
+    """Nanotron's DataCollatorForCLMWithPositionIds on one stage holding inputs and labels (transcribed)."""
+    input_ids = numpy.vstack([e["input_ids"] for e in examples])
+    position_ids = numpy.vstack([e["position_ids"] for e in examples])
+    label_mask = numpy.vstack([e["label_mask"] for e in examples])
+    return {
+        "input_ids": input_ids[:, :-1],
+        "position_ids": position_ids[:, :-1],
+        "label_ids": input_ids[:, 1:],
+        "label_mask": label_mask[:, 1:],
+    }
+
+
+@pytest.mark.parametrize("packing", ["native", "bestfit"])
+def test_position_ids_format_equals_nanotrons_collator(tmp_path, packing):
+    """Examples of seq_length + 1 tokens whose positions restart at each document (read off the tokens here)."""
+    stride, seq = 10_000, 32
+    prefix = str(tmp_path / "docs")
+    rng = numpy.random.default_rng(2)
+    with IndexedDatasetWriter(prefix, numpy.int32) as writer:
+        for d in range(300):
+            writer.add_document(d * stride + numpy.arange(int(rng.geometric(1 / 12))))
+    spec = {"data_path": prefix, "seq_length": seq, "split": "1", "packing": packing}
+    dl = build_nanotron_dataloader(spec, ParallelLayout(1), micro_batch_size=4, position_ids=True)
+    for step in range(5):
+        batch = next(dl)
+        assert list(batch) == ["input_ids", "position_ids", "label_ids", "label_mask"]
+        text = open_stream(spec).gather(numpy.arange(step * 4, step * 4 + 4))
+        examples = []
+        for row in text:
+            positions, mask = numpy.zeros(seq + 1, dtype=numpy.int64), row != -1
+            for i in range(1, seq + 1):
+                continues = row[i] == row[i - 1] + 1 or (row[i] == -1 and row[i - 1] == -1)
+                positions[i] = positions[i - 1] + 1 if continues else 0
+            examples.append({"input_ids": row, "position_ids": positions, "label_mask": mask})
+        expected = _nanotron_collator_with_position_ids(examples, seq)
+        for key, value in expected.items():
+            assert batch[key].dtype == torch.from_numpy(value).dtype, key
+            numpy.testing.assert_array_equal(batch[key].numpy(), value, err_msg=key)

@@ -2,7 +2,13 @@
 rank (``builder``), Megatron's dataloader state files and args (``state_files``), and the determinism
 contract for user datasets (``determinism``)."""
 
-from statefulset.integrations.megatron.batch import MEGATRON_PAD_TOKEN, GPTBatch, GPTBatchConfig, gpt_batch
+from statefulset.integrations.megatron.batch import (
+    MEGATRON_PAD_TOKEN,
+    GPTBatch,
+    GPTBatchConfig,
+    GPTDocumentBatch,
+    gpt_batch,
+)
 from statefulset.integrations.megatron.builder import MegatronData, build_megatron_iterators
 from statefulset.integrations.megatron.iterators import MegatronIterator
 from statefulset.integrations.megatron.state_files import (
@@ -18,6 +24,7 @@ __all__ = [
     "MEGATRON_PAD_TOKEN",
     "GPTBatch",
     "GPTBatchConfig",
+    "GPTDocumentBatch",
     "MegatronData",
     "MegatronIterator",
     "add_statefulset_args",

@@ -58,6 +58,10 @@ class GPTBatchConfig:
       the causal mask themselves and an S x S mask per row is large.
     - ``pad_token``: ``tokenizer.pad`` or megatron-core's -1 when the tokenizer has none; no loss
       where the label is pad, and pad ids in tokens/labels become 0. None skips this step.
+    - ``inter_document_masking``: megatron-core 0.19's option of that name: the batch adds
+      ``cu_seqlens`` (int32 [B, S+1]) and ``max_seqlen`` (int32 [B]) and its ``position_ids``
+      restart at every document; no ``attention_mask``. Needs a loader built with
+      ``document_boundaries=True`` (the Megatron builder does it).
     """
 
     eod_token: int | None = None
@@ -66,9 +70,11 @@ class GPTBatchConfig:
     eod_mask_loss: bool = False
     create_attention_mask: bool = False
     pad_token: int | None = MEGATRON_PAD_TOKEN
+    inter_document_masking: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss", "create_attention_mask"):
+        flags = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss", "create_attention_mask")
+        for name in (*flags, "inter_document_masking"):
             _flag(name, getattr(self, name))
         object.__setattr__(self, "eod_token", _token("eod_token", self.eod_token))
         object.__setattr__(self, "pad_token", _token("pad_token", self.pad_token))
@@ -88,6 +94,7 @@ class GPTBatchConfig:
             eod_mask_loss=bool(config.eod_mask_loss),
             create_attention_mask=bool(getattr(config, "create_attention_mask", False)),
             pad_token=pad,
+            inter_document_masking=bool(getattr(config, "inter_document_masking", False)),
         )
 
     @classmethod
@@ -100,6 +107,7 @@ class GPTBatchConfig:
             eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
             create_attention_mask=bool(getattr(args, "create_attention_mask_in_dataloader", False)),
             pad_token=pad_token,
+            inter_document_masking=bool(getattr(args, "dataloader_inter_document_masking", False)),
         )
 
 
@@ -129,8 +137,17 @@ def _megatron_pad_token(tokenizer: Any, allow_ambiguous: bool) -> int:
     return pad
 
 
-def gpt_batch(text: torch.Tensor, config: GPTBatchConfig | None = None) -> dict[str, torch.Tensor]:
+DOCUMENT_KEYS = ("cu_seqlens", "max_seqlen", "position_ids")
+
+
+def gpt_batch(
+    text: torch.Tensor, config: GPTBatchConfig | None = None, fields: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """megatron-core ``GPTDataset.__getitem__`` for a whole micro-batch of ``text`` rows [B, S+1].
+
+    ``fields`` is the rest of the loader's batch: its ``loss_mask`` (packing bestfit) zeroes
+    padding, and with ``config.inter_document_masking`` its ``cu_seqlens``, ``max_seqlen`` and
+    ``position_ids`` are the batch's.
 
     Returns ``tokens``, ``labels`` (int64 [B, S]), ``loss_mask`` (float32 [B, S]),
     ``position_ids`` (int64 [B, S]) and, with ``create_attention_mask``, ``attention_mask``
@@ -163,7 +180,20 @@ def gpt_batch(text: torch.Tensor, config: GPTBatchConfig | None = None) -> dict[
         position_ids = positions.expand(rows, seq).contiguous()
 
     out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
-    if config.create_attention_mask:
+    fields = fields or {}
+    if "loss_mask" in fields:  # padding of packing bestfit, whatever its pad id
+        loss_mask.mul_(fields["loss_mask"].to(loss_mask.device))
+    if config.inter_document_masking:
+        missing = [k for k in DOCUMENT_KEYS if k not in fields]
+        if missing:
+            raise StatefulsetError(
+                f"gpt_batch: inter_document_masking needs the batch's {', '.join(missing)}: build the loader with "
+                "get_train_dataset(..., document_boundaries=True)"
+            )
+        out["position_ids"] = fields["position_ids"].to(torch.int64)
+        out["cu_seqlens"] = fields["cu_seqlens"].to(torch.int32)
+        out["max_seqlen"] = fields["max_seqlen"].to(torch.int32)
+    elif config.create_attention_mask:
         mask = torch.ones(seq, seq, dtype=torch.bool, device=text.device).triu(diagonal=1).expand(rows, seq, seq)
         if config.reset_attention_mask and is_eod is not None:
             # Query q may not see key k <= q when an EOD lies in [k, q): different document numbers.
@@ -180,7 +210,8 @@ def gpt_batch(text: torch.Tensor, config: GPTBatchConfig | None = None) -> dict[
 
 
 def format_batch(batch: Mapping[str, torch.Tensor], fmt: Format, config: GPTBatchConfig) -> dict[str, torch.Tensor]:
-    out = {"text": batch["text"]} if fmt == "text" else gpt_batch(batch["text"], config)
+    # "text": the text and whatever fields the loader adds (loss_mask, document boundaries).
+    out = dict(batch) if fmt == "text" else gpt_batch(batch["text"], config, batch)
     out["sample_id"] = batch["sample_id"]
     return out
 
@@ -198,4 +229,21 @@ class GPTBatch(NamedTuple):
     loss_mask: torch.Tensor | None
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
+    sample_id: torch.Tensor | None = None
+
+
+class GPTDocumentBatch(NamedTuple):
+    """:class:`GPTBatch` with document boundaries: what ``get_batch`` returns with ``inter_document_masking``.
+
+    ``cu_seqlens`` (int32 [B, S+1], padded with S) and ``max_seqlen`` (int32 [B]) are on every
+    stage that holds tokens or labels (attention needs them on both); ``attention_mask`` is None.
+    """
+
+    tokens: torch.Tensor | None
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: torch.Tensor | None
     sample_id: torch.Tensor | None = None

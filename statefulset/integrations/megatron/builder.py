@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from statefulset.errors import StatefulsetError, check_int
-from statefulset.integrations.megatron.batch import Format, GPTBatch, GPTBatchConfig, format_batch
+from statefulset.integrations.megatron.batch import Format, GPTBatch, GPTBatchConfig, GPTDocumentBatch, format_batch
 from statefulset.integrations.megatron.iterators import SPLIT_TAGS, MegatronIterator, TensorParallelMode
 from statefulset.loading.datasets import get_train_dataset, get_val_dataset
 from statefulset.loading.loader import SavableLoader, get_loader, get_savable_loader
@@ -74,13 +74,15 @@ class MegatronData:
     def _keys(self) -> tuple[str, ...]:
         """The keys Megatron's ``get_batch_on_this_tp_rank`` moves on this rank's stage."""
         first, last = self.info.pp_rank == 0, self.info.is_last_stage
-        mask = ("attention_mask",) if self.batch_config.create_attention_mask else ()
+        documents = self.batch_config.inter_document_masking
+        mask = ("attention_mask",) if self.batch_config.create_attention_mask and not documents else ()
+        bounds = ("cu_seqlens", "max_seqlen") if documents else ()
         if first and last:
-            return ("tokens", "labels", "loss_mask", *mask, "position_ids", "sample_id")
+            return ("tokens", "labels", "loss_mask", *mask, "position_ids", *bounds, "sample_id")
         if first:
-            return ("tokens", *mask, "position_ids", "sample_id")
+            return ("tokens", *mask, "position_ids", *bounds, "sample_id")
         if last:
-            return ("labels", "loss_mask", *mask, "sample_id")
+            return ("labels", "loss_mask", *mask, *bounds, "sample_id")
         return ()
 
     def _specs(self, keys: tuple[str, ...]) -> list[TensorSpec]:
@@ -91,13 +93,15 @@ class MegatronData:
             "loss_mask": ((b, s), torch.float32),
             "position_ids": ((b, s), torch.int64),
             "attention_mask": ((b, 1, s, s), torch.bool),
+            "cu_seqlens": ((b, s + 1), torch.int32),
+            "max_seqlen": ((b,), torch.int32),
             "sample_id": ((b,), torch.int64),
         }
         return [TensorSpec(k, *shapes[k]) for k in keys]
 
     def get_batch(
         self, which: str | MegatronIterator | None = "train", device: torch.device | str | None = None
-    ) -> GPTBatch:
+    ) -> GPTBatch | GPTDocumentBatch:
         """Megatron's ``get_batch`` + ``get_batch_on_this_tp_rank`` for a loop of your own.
 
         Call it on every rank once per micro-batch (middle stages return at once, never
@@ -109,6 +113,8 @@ class MegatronData:
         """
         keys = self._keys()
         if not keys:
+            if self.batch_config.inter_document_masking:
+                return GPTDocumentBatch(None, None, None, None, None, None, None, None)
             return GPTBatch(None, None, None, None, None, None)
         iterator = self._iterator(which)
         broadcast = self.tensor_parallel == "broadcast" and self.layout.tp > 1
@@ -130,6 +136,17 @@ class MegatronData:
             )
         if batch is None:  # unreachable: a rank either holds the batch or receives the broadcast
             raise StatefulsetError(f"get_batch: rank {self.info.global_rank} got no batch")
+        if self.batch_config.inter_document_masking:
+            return GPTDocumentBatch(
+                tokens=batch.get("tokens"),
+                labels=batch.get("labels"),
+                loss_mask=batch.get("loss_mask"),
+                attention_mask=None,
+                position_ids=batch.get("position_ids"),
+                cu_seqlens=batch.get("cu_seqlens"),
+                max_seqlen=batch.get("max_seqlen"),
+                sample_id=batch.get("sample_id"),
+            )
         return GPTBatch(
             tokens=batch.get("tokens"),
             labels=batch.get("labels"),
@@ -275,7 +292,15 @@ def build_megatron_iterators(
     peer = info.pp_group_ranks[-1] if reads and not last else info.first_stage_rank
     seq_length = spec.seq_length
     b, s = micro_batch_size, seq_length
-    link_specs = (TensorSpec("text", (b, s + 1), torch.int64), TensorSpec("sample_id", (b,), torch.int64))
+    documents = config.inter_document_masking
+    # The last stage derives its fields from what the first sends: text, and the loader's extra
+    # fields (bestfit's loss_mask, the document boundaries) when there are any.
+    link_specs = [TensorSpec("text", (b, s + 1), torch.int64), TensorSpec("sample_id", (b,), torch.int64)]
+    if spec.packing == "bestfit":
+        link_specs.append(TensorSpec("loss_mask", (b, s), torch.float32))
+    if documents:
+        link_specs += [TensorSpec("cu_seqlens", (b, s + 1), torch.int32), TensorSpec("max_seqlen", (b,), torch.int32),
+                       TensorSpec("position_ids", (b, s), torch.int64)]  # fmt: skip
 
     built: dict[str, MegatronIterator | None] = {"train": None, "valid": None, "test": None}
     errors: list[str | None] = []
@@ -298,11 +323,14 @@ def build_megatron_iterators(
             )
             if split == "train":
                 loader: Any = get_savable_loader(
-                    get_train_dataset(spec, batch_size=b, worker_config=wc), **loader_options
+                    get_train_dataset(spec, batch_size=b, worker_config=wc, document_boundaries=documents),
+                    **loader_options,
                 )
                 _restore_train(loader, _unwrap_state(state), consumed_train_samples, info, b)
             else:
-                dataset = get_val_dataset(spec, split_part=split, batch_size=b, worker_config=wc)
+                dataset = get_val_dataset(
+                    spec, split_part=split, batch_size=b, worker_config=wc, document_boundaries=documents
+                )
                 if len(dataset) == 0:
                     raise StatefulsetError(
                         f"{spec.source}: the {split} split has {len(dataset.stream)} samples, fewer than one "

@@ -93,7 +93,7 @@ class MegatronIterator:
     def __next__(self) -> dict[str, torch.Tensor]:
         raw = self._next_raw()
         if self.link is not None and not self.receive:
-            self.link.send({"text": raw["text"], "sample_id": raw["sample_id"]})
+            self.link.send({spec.name: raw[spec.name] for spec in self.link.specs})
         self.batches += 1
         return format_batch(raw, self.format, self.batch_config)
 

@@ -93,6 +93,7 @@ class NanotronDataLoader:
         loader: SavableLoader | None,
         link: StageLink | None,
         include_sample_id: bool,
+        position_ids: bool = False,
     ) -> None:
         self.info = info
         self.micro_batch_size = micro_batch_size
@@ -105,6 +106,7 @@ class NanotronDataLoader:
         """The shard-reading loader (input stage only; None elsewhere)."""
         self.link = link
         self.include_sample_id = include_sample_id
+        self.position_ids = position_ids  # DataCollatorForCLMWithPositionIds's format
         self._base = consumed_train_samples
         self._drawn = 0
 
@@ -147,16 +149,14 @@ class NanotronDataLoader:
         return self
 
     def __next__(self) -> dict[str, Any]:
-        text: torch.Tensor | None = None
-        sample_id: torch.Tensor | None = None
+        raw: dict[str, Any] = {}
         if self.loader is not None:  # the input stage
             raw = next(self.loader)
-            text, sample_id = raw["text"], raw["sample_id"]
             if self.link is not None:
-                self.link.send({"text": text, "sample_id": sample_id})
+                self.link.send({spec.name: raw[spec.name] for spec in self.link.specs})
         elif self.link is not None:  # the output stage of a pipeline whose input stage is elsewhere
-            got = self.link.recv()
-            text, sample_id = got["text"], got["sample_id"]
+            raw = self.link.recv()
+        text, sample_id = raw.get("text"), raw.get("sample_id")
         batch = clm_micro_batch(
             text,  # type: ignore[arg-type]  # None only where no tensor is built
             pp_rank=self.info.pp_rank,
@@ -164,6 +164,9 @@ class NanotronDataLoader:
             output_pp_rank=self.output_pp_rank,
             cp_rank=self.info.cp_rank,
             cp_size=self.cp_size,
+            with_position_ids=self.position_ids,
+            position_ids=raw.get("position_ids"),
+            label_mask=raw.get("loss_mask"),
         )
         if self.include_sample_id:
             if sample_id is None:
@@ -278,6 +281,7 @@ def build_nanotron_dataloader(
     send_depth: int | None = None,
     include_sample_id: bool = False,
     seed_offset: int = 0,
+    position_ids: bool = False,
     **loader_options: Any,
 ) -> NanotronDataLoader:
     """Nanotron's train dataloader for ``spec`` on global ``rank``: call it on every rank with the same arguments.
@@ -303,7 +307,10 @@ def build_nanotron_dataloader(
     ``link_group`` carries the CPU text rows to the output stage: the world when its backend speaks
     gloo, otherwise gloo PP groups created here (a collective). ``include_sample_id`` adds
     ``sample_id`` (int64 ``[micro_batch_size]``, the rows' global positions) for checks and logs;
-    leave it off when the model's forward takes ``**micro_batch``.
+    leave it off when the model's forward takes ``**micro_batch``. ``position_ids=True`` gives the
+    micro-batch of Nanotron's ``DataCollatorForCLMWithPositionIds`` (``input_ids``,
+    ``position_ids`` restarting at every document of the shard index, ``label_ids``,
+    ``label_mask``). With packing bestfit, ``label_mask`` is False on padded labels.
     """
     where = "build_nanotron_dataloader"
     unknown = sorted(set(loader_options) - _LOADER_OPTIONS)
@@ -393,7 +400,9 @@ def build_nanotron_dataloader(
                 data_parallel_group=data_parallel_group,
                 seed_offset=seed_offset,
             )
-            dataset = get_train_dataset(parsed, batch_size=micro_batch_size, worker_config=wc)
+            dataset = get_train_dataset(
+                parsed, batch_size=micro_batch_size, worker_config=wc, document_boundaries=bool(position_ids)
+            )
             loader = get_savable_loader(dataset, **loader_options)
             if consumed:
                 loader.restore_consumed_samples(consumed)
@@ -405,10 +414,12 @@ def build_nanotron_dataloader(
         raise_on_every_rank(errors)
     elif errors:
         raise StatefulsetError(errors[0])
-    specs = (
+    specs = [
         TensorSpec("text", (micro_batch_size, seq_length + 1), torch.int64),
         TensorSpec("sample_id", (micro_batch_size,), torch.int64),
-    )
+    ]
+    if parsed.packing == "bestfit":  # the output stage masks padded labels
+        specs.append(TensorSpec("loss_mask", (micro_batch_size, seq_length), torch.float32))
     if needs_link and info.pp_rank == input_pp_rank:
         link = StageLink(pipeline[output_pp_rank], specs, group=group, depth=depth)
     elif needs_link and info.pp_rank == output_pp_rank:
@@ -425,4 +436,5 @@ def build_nanotron_dataloader(
         loader=loader,
         link=link,
         include_sample_id=bool(include_sample_id),
+        position_ids=bool(position_ids),
     )
