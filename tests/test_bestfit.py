@@ -210,3 +210,19 @@ def test_counting_windows_equals_packing_each(lengths, window, capacity):
     assert (counts == count_bins(rest, window, capacity, native=False)).all()
     expected = [pack_window(rest[j : j + window], capacity)[1] for j in range(0, len(lengths), window)]
     assert counts.tolist() == expected
+
+
+def test_a_state_is_refused_by_a_loader_with_another_pad_id_or_packing(corpus):
+    from statefulset import get_savable_loader
+
+    root, _ = corpus
+    loader = get_savable_loader(get_train_dataset(spec_for(root), batch_size=2))
+    next(iter(loader))
+    state = loader.save_state_rank()
+    assert state["identity"]["pad_id"] == -1
+    other = get_savable_loader(get_train_dataset(spec_for(root, pad_id=-7), batch_size=2))
+    with pytest.raises(StatefulsetError, match=r"pad_id: state has -1, this loader -7"):
+        other.restore_state_rank(state)
+    native = get_savable_loader(get_train_dataset(spec_for(root, packing="native"), batch_size=2))
+    with pytest.raises(StatefulsetError, match=r"packing: state has 'bestfit', this loader 'native'.*pad_id"):
+        native.restore_state_rank(state)

@@ -171,6 +171,14 @@ def test_native_and_bestfit_boundaries_are_where_the_documents_are(corpus, packi
     expected = brute_force_fields(fields["text"], -1 if packing == "bestfit" else None)
     for name in ("cu_seqlens", "max_seqlen", "position_ids"):
         numpy.testing.assert_array_equal(fields[name], expected[name], err_msg=name)
+    if packing == "native":  # the compiled window pieces equal the numpy ones
+        for filler in stream._fillers:
+            starts = filler.source.window_starts(numpy.arange(500))
+            a, b = (
+                filler._pieces(starts, seq_length + 1, native=True),
+                filler._pieces(starts, seq_length + 1, native=False),
+            )
+            assert (a.counts == b.counts).all() and (a.lengths == b.lengths).all()
 
 
 @st.composite
@@ -203,13 +211,15 @@ def test_vectorised_rule_equals_megatron_core_per_row(case):
     segments = [p + ([pad] if pad else []) for p, pad in rows]
     overflow = any(len(s) - (s[-1] == 1) > seq_length for s in segments)
     if overflow:
-        with pytest.raises(StatefulsetError, match="more than cu_seqlens has room"):
-            document_fields(pieces, seq_length)
+        for native in (True, False):
+            with pytest.raises(StatefulsetError, match="more than cu_seqlens has room"):
+                document_fields(pieces, seq_length, native=native)
         return
-    got = document_fields(pieces, seq_length)
     expected = [_megatron_rule(s, seq_length) for s in segments]
-    for name in ("cu_seqlens", "max_seqlen", "position_ids"):
-        numpy.testing.assert_array_equal(got[name], numpy.stack([e[name] for e in expected]), err_msg=name)
+    for native in (True, False):  # the compiled kernel and the numpy version
+        got = document_fields(pieces, seq_length, native=native)
+        for name in ("cu_seqlens", "max_seqlen", "position_ids"):
+            numpy.testing.assert_array_equal(got[name], numpy.stack([e[name] for e in expected]), err_msg=name)
 
 
 @pytest.mark.parametrize("packing", ["megatron", "native", "bestfit"])

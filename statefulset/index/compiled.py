@@ -150,6 +150,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_bestfit_counts.restype = i64
     lib.sf_bestfit_window.argtypes = [array(numpy.int64), i64, i64, array(numpy.int64)]
     lib.sf_bestfit_window.restype = i64
+    # Called once per batch on small arrays: raw addresses (the callers pass C-contiguous arrays of
+    # the right dtypes, see address()), since ndpointer's checks cost ~10 µs per argument.
+    ptr = ctypes.c_void_p
+    lib.sf_document_fields.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.sf_document_fields.restype = i64
+    lib.sf_window_pieces.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr]
+    lib.sf_window_pieces.restype = i64
 
 
 def _open() -> ctypes.CDLL:
@@ -205,6 +212,13 @@ def _reset() -> None:
     with _lock:
         _state.update(loaded=False, lib=None, reason=None)
         _shared.clear()
+
+
+def address(array: numpy.ndarray, dtype: type) -> int:
+    """The data address of ``array`` for a kernel taking a raw pointer: C-contiguous and of ``dtype``, or refused."""
+    if array.dtype != dtype or not array.flags.c_contiguous:
+        raise StatefulsetError(f"internal: a kernel needs a C-contiguous {numpy.dtype(dtype)} array, got {array.dtype}")
+    return array.ctypes.data
 
 
 def available() -> bool:

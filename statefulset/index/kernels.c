@@ -375,3 +375,69 @@ int64_t sf_bestfit_window(const int64_t *sizes, int64_t n, int64_t capacity, int
     int64_t code = sf_pack_windows(sizes, n, n, capacity, bin_of, &bins);
     return code < 0 ? code : bins;
 }
+
+/*
+ * Document fields of `rows` samples from their pieces (streams.documents.document_fields, the same
+ * rule): segments are a row's pieces then its padding (width - used, if any); the last loses the
+ * extra token and goes if that empties it; cu (int32 [rows, S+1], padded with S), max_out
+ * (int32 [rows]) and pos (int64 [rows, S], restarting at every segment). Returns 0; 1 + r when
+ * row r has more than S segments; -(1 + r) when its last segment is empty or its tokens do not
+ * add up to S + 1.
+ */
+int64_t sf_document_fields(const int64_t *counts, const int64_t *lengths, const int64_t *used, int64_t rows,
+                           int64_t seq_length, int32_t *cu, int32_t *max_out, int64_t *pos) {
+    int64_t width = seq_length + 1, at = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t n = counts[r], pad = width - used[r];
+        int64_t m = n + (pad > 0 ? 1 : 0);
+        if (n < 0 || pad < 0 || m < 1) return -(1 + r);
+        int64_t last = pad > 0 ? pad : lengths[at + n - 1];
+        if (last < 1) return -(1 + r);
+        int64_t segments = last - 1 == 0 ? m - 1 : m;
+        if (segments > seq_length) return 1 + r;
+        int32_t *c = cu + r * width;
+        int64_t *p = pos + r * seq_length;
+        int64_t end = 0, longest = 0;
+        c[0] = 0;
+        for (int64_t i = 0; i < segments; i++) {
+            int64_t length = i == m - 1 ? last - 1 : (i < n ? lengths[at + i] : pad);
+            if (length < 0 || end + length > seq_length) return -(1 + r);
+            for (int64_t t = 0; t < length; t++) p[end + t] = t;
+            end += length;
+            c[i + 1] = (int32_t)end;
+            if (length > longest) longest = length;
+        }
+        if (end != seq_length) return -(1 + r);
+        for (int64_t i = segments + 1; i <= seq_length; i++) c[i] = (int32_t)seq_length;
+        max_out[r] = (int32_t)longest;
+        at += n;
+    }
+    return 0;
+}
+
+/*
+ * Pieces of the token windows [starts[r], starts[r] + width) over sequences whose first tokens are
+ * pointers[k] / itemsize (k < n, increasing): cut where a sequence starts strictly inside a window,
+ * empty pieces dropped. counts[r] and lengths (room for rows * width) receive them; returns the
+ * number of pieces written.
+ */
+int64_t sf_window_pieces(const int64_t *pointers, int64_t n, int64_t itemsize, const int64_t *starts, int64_t rows,
+                         int64_t width, int64_t *counts, int64_t *lengths) {
+    int64_t written = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t s = starts[r], lo = 0, hi = n, previous = 0, before = written;
+        int64_t first_byte = s * itemsize, stop_byte = (s + width) * itemsize;
+        while (lo < hi) { /* first k with pointers[k] > first_byte */
+            int64_t mid = lo + (hi - lo) / 2;
+            if (pointers[mid] > first_byte) hi = mid; else lo = mid + 1;
+        }
+        for (int64_t k = lo; k < n && pointers[k] < stop_byte; k++) {
+            int64_t cut = pointers[k] / itemsize - s;
+            if (cut > previous) lengths[written++] = cut - previous;
+            previous = cut;
+        }
+        if (width > previous) lengths[written++] = width - previous;
+        counts[r] = written - before;
+    }
+    return written;
+}

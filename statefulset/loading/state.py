@@ -35,6 +35,8 @@ _IDENTITY_KEYS = {
     "num_samples": (int, type(None)),
     "data": str,
 }
+# Present for packing bestfit only (states of the other packings stay as they were).
+_OPTIONAL_IDENTITY_KEYS = {"pad_id": int, "bestfit": int}
 _INT_KEYS = ("dp_rank", "dp_size", "batch_size", "base", "batches", "num_workers")
 _KEYS = {"format", "version", "identity", *_INT_KEYS}
 _MAX_POSITION = 2**62  # positions stay far inside int64 whatever the arithmetic
@@ -110,9 +112,16 @@ def check_state(state: Any, where: str = "state") -> dict[str, Any]:
     if cursor.consumed + cursor.dp_size * cursor.batch_size >= _MAX_POSITION:
         raise StatefulsetError(f"{where}: position {cursor.consumed} is out of range")
     identity = state["identity"]
-    if not isinstance(identity, dict) or set(identity) != set(_IDENTITY_KEYS):
-        raise StatefulsetError(f"{where}: field 'identity' must hold {sorted(_IDENTITY_KEYS)}")
-    for key, kind in _IDENTITY_KEYS.items():
+    if not isinstance(identity, dict) or not set(_IDENTITY_KEYS) <= set(identity) <= set(_IDENTITY_KEYS) | set(
+        _OPTIONAL_IDENTITY_KEYS
+    ):
+        raise StatefulsetError(
+            f"{where}: field 'identity' must hold {sorted(_IDENTITY_KEYS)} (and, for packing bestfit, "
+            f"{sorted(_OPTIONAL_IDENTITY_KEYS)})"
+        )
+    for key, kind in {**_IDENTITY_KEYS, **_OPTIONAL_IDENTITY_KEYS}.items():
+        if key not in identity:
+            continue
         value = identity[key]
         if not isinstance(value, kind) or isinstance(value, bool):
             raise StatefulsetError(f"{where}: field 'identity.{key}' has the wrong type ({type(value).__name__})")
@@ -126,7 +135,7 @@ def cursor_of(state: dict[str, Any]) -> Cursor:
 def check_identity(state: dict[str, Any], identity: dict[str, Any], where: str) -> None:
     """Refuse a state taken on other data, naming every field that differs."""
     saved = state["identity"]
-    differs = [key for key in _IDENTITY_KEYS if saved.get(key) != identity.get(key)]
+    differs = [key for key in (*_IDENTITY_KEYS, *_OPTIONAL_IDENTITY_KEYS) if saved.get(key) != identity.get(key)]
     if differs:
         details = "; ".join(
             f"{key}: state has {saved.get(key)!r}, this loader {identity.get(key)!r}"

@@ -22,6 +22,7 @@ from typing import Any
 import numpy
 
 from statefulset.errors import StatefulsetError
+from statefulset.index import compiled
 
 DOCUMENT_FIELDS = ("cu_seqlens", "max_seqlen", "position_ids")
 
@@ -63,13 +64,47 @@ def merge_pieces(size: int, parts: list[tuple[numpy.ndarray, Pieces]]) -> Pieces
 
 
 def document_fields(
-    pieces: Pieces, seq_length: int, positions: numpy.ndarray | None = None
+    pieces: Pieces, seq_length: int, positions: numpy.ndarray | None = None, native: bool | None = None
 ) -> dict[str, numpy.ndarray]:
-    """``cu_seqlens`` int32 ``[B, S+1]``, ``max_seqlen`` int32 ``[B]``, ``position_ids`` int64 ``[B, S]``."""
-    width = seq_length + 1
+    """``cu_seqlens`` int32 ``[B, S+1]``, ``max_seqlen`` int32 ``[B]``, ``position_ids`` int64 ``[B, S]``.
+
+    One pass of the compiled kernel when available (``native`` as in :func:`compiled.pick`); the
+    numpy version below gives the same arrays, and the error messages.
+    """
     rows = pieces.counts.size
     if rows == 0:
         return _empty(seq_length)
+    lib = compiled.pick(native)
+    if lib is not None:
+        out = {
+            "cu_seqlens": numpy.empty((rows, seq_length + 1), dtype=numpy.int32),
+            "max_seqlen": numpy.empty(rows, dtype=numpy.int32),
+            "position_ids": numpy.empty((rows, seq_length), dtype=numpy.int64),
+        }
+        counts = numpy.ascontiguousarray(pieces.counts, dtype=numpy.int64)
+        lengths = numpy.ascontiguousarray(pieces.lengths, dtype=numpy.int64)
+        used = numpy.ascontiguousarray(pieces.used, dtype=numpy.int64)
+        if lengths.size < int(counts.sum()):
+            raise StatefulsetError(f"internal: {lengths.size} piece lengths for {int(counts.sum())} pieces")
+        i64, i32 = numpy.int64, numpy.int32
+        code = lib.sf_document_fields(
+            *(compiled.address(a, i64) for a in (counts, lengths, used)),
+            rows,
+            seq_length,
+            compiled.address(out["cu_seqlens"], i32),
+            compiled.address(out["max_seqlen"], i32),
+            compiled.address(out["position_ids"], i64),
+        )
+        if code == 0:
+            return out
+    return _document_fields_numpy(pieces, seq_length, positions)
+
+
+def _document_fields_numpy(
+    pieces: Pieces, seq_length: int, positions: numpy.ndarray | None
+) -> dict[str, numpy.ndarray]:
+    width = seq_length + 1
+    rows = pieces.counts.size
     pad = (pieces.used < width).astype(numpy.int64)
     seg_counts = pieces.counts + pad
     first = numpy.cumsum(seg_counts) - seg_counts

@@ -11,6 +11,7 @@ from typing import Any
 import numpy
 
 from statefulset.errors import StatefulsetError
+from statefulset.index import compiled
 from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.keys import derive_key
 from statefulset.index.native.windows import WindowSource
@@ -32,9 +33,22 @@ class _WindowFiller:
         self.source.dataset.gather(starts, lengths, out.reshape(-1))
         return self._pieces(starts, out.shape[1]) if want else None
 
-    def _pieces(self, starts: numpy.ndarray, width: int) -> Pieces:
+    def _pieces(self, starts: numpy.ndarray, width: int, native: bool | None = None) -> Pieces:
         """The sequences each window crosses: cut where a sequence starts strictly inside it."""
         item = self.source.dataset.dtype.itemsize
+        lib = compiled.pick(native)
+        if lib is not None and self._sequence_starts.flags.c_contiguous:
+            rows = starts.size
+            counts = numpy.empty(rows, dtype=numpy.int64)
+            lengths = numpy.empty(rows * width, dtype=numpy.int64)
+            starts = numpy.ascontiguousarray(starts, dtype=numpy.int64)
+            pointers = self._sequence_starts
+            i64 = numpy.int64
+            written = lib.sf_window_pieces(
+                compiled.address(pointers, i64), pointers.size, item, compiled.address(starts, i64), rows, width,
+                compiled.address(counts, i64), compiled.address(lengths, i64),
+            )  # fmt: skip
+            return Pieces(counts, lengths[:written], numpy.full(rows, width, dtype=numpy.int64))
         first = numpy.searchsorted(self._sequence_starts, starts * item, side="right")
         stop = numpy.searchsorted(self._sequence_starts, (starts + width) * item, side="left")
         cuts = stop - first

@@ -1,0 +1,225 @@
+"""Padding and truncation of the packings, side by side with OLMo-core's best-fit packing, and the cost of boundaries.
+
+Two corpora of the same number of documents: geometric lengths of mean 500, and a long tail
+(95% geometric of mean 300, 5% log-normal around 4,000 tokens, some past 50,000). Samples hold
+2,048 tokens (``seq_length`` 2047 + 1), the instance size OLMo-core's packer needs (a power of
+two). For each packing, over one epoch:
+
+- padding: the share of token slots that hold padding;
+- cut documents: the share of documents that fit a sample (at most 2,048 tokens) but are split
+  across samples; dropped tokens: tokens no sample holds.
+
+packing native and megatron concatenate (documents at random offsets, cut at every sample
+boundary); bestfit and OLMo-core (``InstancePacker.pack_documents``, run in its own environment
+by ``anchor_olmo_packing.py``, both long-document strategies) pack whole documents.
+
+Then: opening a bestfit stream with its bins cached and seeking far (a restore), and batch
+assembly (B=8, in process) with and without ``document_boundaries``.
+
+    python benchmarks/bench_packing.py --olmo-python /path/to/venv-olmo/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from plots import IMG_DIR, RESULTS_DIR, add_plot_argument  # noqa: E402
+
+from statefulset import IndexedDatasetWriter  # noqa: E402
+from statefulset.streams.documents import gather_fields  # noqa: E402
+from statefulset.streams.opening import open_stream  # noqa: E402
+
+SEQ = 2047
+CAPACITY = SEQ + 1
+
+
+def corpus_lengths(kind: str, documents: int, seed: int = 0) -> numpy.ndarray:
+    rng = numpy.random.default_rng(seed)
+    if kind == "geometric":
+        return rng.geometric(1 / 500, documents).astype(numpy.int64)
+    tail = rng.random(documents) < 0.05
+    lengths = rng.geometric(1 / 300, documents)
+    lengths[tail] = numpy.minimum(rng.lognormal(numpy.log(4000), 1.0, int(tail.sum())), 60_000).astype(numpy.int64)
+    return lengths.astype(numpy.int64)
+
+
+def write(prefix: str, lengths: numpy.ndarray) -> None:
+    with IndexedDatasetWriter(prefix, numpy.uint16) as w:
+        block = 20_000
+        for first in range(0, lengths.size, block):
+            part = lengths[first : first + block]
+            w.add_documents(numpy.zeros(int(part.sum()), dtype=numpy.uint16), part.tolist())
+
+
+def concat_cuts(order_lengths: numpy.ndarray, total_windows: int) -> tuple[float, float]:
+    """(cut share of fitting documents, dropped share of tokens) for windows of S+1 at stride S over this order."""
+    ends = numpy.cumsum(order_lengths)
+    starts = ends - order_lengths
+    k = starts // SEQ
+    whole = (ends <= k * SEQ + SEQ + 1) & (k < total_windows)
+    fits = (order_lengths > 0) & (order_lengths <= CAPACITY)
+    covered = total_windows * SEQ + 1
+    dropped = max(0, int(ends[-1]) - covered)
+    return float((fits & ~whole).sum() / fits.sum()), dropped / float(ends[-1])
+
+
+def bestfit_figures(stream) -> dict:
+    source = stream.sources[0]
+    lengths = source.dataset.sequence_lengths.astype(numpy.int64)
+    n = source.samples_per_epoch
+    tokens = int(lengths.sum())
+    pieces_of = numpy.zeros(lengths.size, dtype=numpy.int64)
+    for j in range(source.bins.size):
+        numpy.add.at(pieces_of, source.packed_window(j).document, 1)
+    fits = (lengths > 0) & (lengths <= CAPACITY)
+    assert int((pieces_of[lengths > 0] == 0).sum()) == 0
+    return {
+        "samples": n,
+        "padding": 1 - tokens / (n * CAPACITY),
+        "cut": float((fits & (pieces_of > 1)).sum() / fits.sum()),
+        "dropped": 0.0,
+        "window_documents": source.window,
+    }
+
+
+def olmo_figures(olmo_python: str, lengths: numpy.ndarray, strategy: str, folder: str) -> dict | None:
+    if not olmo_python:
+        return None
+    path = os.path.join(folder, "lengths.npy")
+    numpy.save(path, lengths)
+    out = os.path.join(folder, f"olmo-{strategy}.json")
+    script = os.path.join(HERE, "anchor_olmo_packing.py")
+    subprocess.run([olmo_python, script, path, str(CAPACITY), strategy, out], check=True, timeout=3600)
+    with open(out) as f:
+        got = json.load(f)
+    fits = (lengths > 0) & (lengths <= CAPACITY)
+    return {
+        "samples": got["instances"],
+        "padding": got["padding_fraction"],
+        "cut": 0.0,  # OLMo-core packs fitting documents whole too
+        "long_documents_cut": got["documents_cut"],
+        "dropped": got["tokens_dropped"] / float(lengths.sum()),
+        "seconds": got["seconds"],
+        "version": got["olmo_core_version"],
+        "fits": int(fits.sum()),
+    }
+
+
+def assembly(spec: dict, batches: int, repeats: int) -> dict:
+    out = {}
+    stream = open_stream(spec)
+    for boundaries in (False, True):
+        best = float("inf")
+        for _ in range(repeats):
+            began = time.perf_counter()
+            for t in range(batches):
+                gather_fields(stream, numpy.arange(t * 8, t * 8 + 8), boundaries)
+            best = min(best, time.perf_counter() - began)
+        out["with" if boundaries else "without"] = batches * 8 * SEQ / best
+    out["slowdown"] = out["without"] / out["with"] - 1
+    return out
+
+
+def seek(spec: dict) -> dict:
+    began = time.perf_counter()
+    stream = open_stream(spec)
+    opened = time.perf_counter() - began
+    timings = {}
+    for name, base in (("position 0", 0), ("position 10^12", 10**12)):
+        began = time.perf_counter()
+        stream.gather(numpy.arange(base, base + 8))
+        timings[name] = time.perf_counter() - began
+    return {"open_seconds": opened, **{f"first batch at {k} (s)": v for k, v in timings.items()}}
+
+
+def chart(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, kind in zip(axes, results["corpora"], strict=True):
+        rows = results["corpora"][kind]["packings"]
+        names = list(rows)
+        padding = [100 * rows[n]["padding"] for n in names]
+        cut = [100 * rows[n]["cut"] for n in names]
+        dropped = [100 * rows[n]["dropped"] for n in names]
+        ys = numpy.arange(len(names))[::-1]
+        ax.barh(ys + 0.27, padding, 0.27, label="padding (% of token slots)", color="#9aa5b1")
+        ax.barh(ys, cut, 0.27, label="fitting documents cut (%)", color="#d9822b")
+        ax.barh(ys - 0.27, dropped, 0.27, label="tokens dropped (%)", color="#b33a3a")
+        for y, values in zip(ys, zip(padding, cut, dropped, strict=True), strict=True):
+            for dy, v in zip((0.27, 0, -0.27), values, strict=True):
+                ax.annotate(f"{v:.2f}", (v, y + dy), xytext=(2, 0), textcoords="offset points", va="center", fontsize=7)
+        ax.set_yticks(ys)
+        ax.set_yticklabels(names, fontsize=8)
+        ax.set_title(f"{kind} lengths, samples of {CAPACITY} tokens", fontsize=10)
+        ax.set_xlabel("% (lower is better)")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--documents", type=int, default=200_000)
+    parser.add_argument("--olmo-python", default=os.environ.get("OLMO_PYTHON", ""))
+    parser.add_argument("--batches", type=int, default=300)
+    add_plot_argument(parser)
+    args = parser.parse_args()
+    results: dict = {"documents": args.documents, "capacity": CAPACITY, "corpora": {}}
+    with tempfile.TemporaryDirectory() as folder:
+        for kind in ("geometric", "long-tail"):
+            lengths = corpus_lengths(kind, args.documents)
+            prefix = os.path.join(folder, kind)
+            write(prefix, lengths)
+            common = {"data_path": prefix, "seq_length": SEQ, "split": "1", "path_to_cache": os.path.join(folder, "c")}
+            rows: dict = {}
+            native = open_stream({**common, "packing": "native"})
+            cut, dropped = concat_cuts(lengths, native.samples_per_epoch)
+            rows["native (concatenate)"] = {"padding": 0.0, "cut": cut, "dropped": dropped}
+            megatron = open_stream({**common, "packing": "megatron"})
+            source = megatron.sources[0]
+            order = source.document_index[: lengths.size].astype(numpy.int64)
+            cut, dropped = concat_cuts(lengths[order], len(megatron))
+            rows["megatron (concatenate)"] = {"padding": 0.0, "cut": cut, "dropped": dropped}
+            began = time.perf_counter()
+            bestfit = open_stream({**common, "packing": "bestfit"})
+            bins_seconds = time.perf_counter() - began
+            rows["bestfit (ours)"] = {**bestfit_figures(bestfit), "open_and_bins_seconds": bins_seconds}
+            for strategy in ("truncate", "fragment"):
+                found = olmo_figures(args.olmo_python, lengths, strategy, folder)
+                if found is not None:
+                    rows[f"OLMo-core best-fit ({strategy})"] = found
+            entry = {"tokens": int(lengths.sum()), "mean_length": float(lengths.mean()), "packings": rows}
+            entry["seek"] = seek({**common, "packing": "bestfit"})
+            if kind == "geometric":
+                results["assembly"] = {
+                    p: assembly({**common, "packing": p}, args.batches, 3) for p in ("megatron", "native", "bestfit")
+                }
+            results["corpora"][kind] = entry
+            print(kind, json.dumps(entry, indent=1))
+    print(json.dumps(results.get("assembly"), indent=1))
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    with open(os.path.join(RESULTS_DIR, "bench_packing.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    if not args.no_plot:
+        chart(results, os.path.join(IMG_DIR, "bench_packing.png"))
+
+
+if __name__ == "__main__":
+    main()
