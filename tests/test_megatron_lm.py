@@ -426,3 +426,57 @@ def test_resume_into_another_dp_size(spec, tmp_path):
         res = torch.load(tmp_path / f"dp1-{rank}.pt")
         for key in ("consumed", "state"):
             _check_stream(spec, layout, rank, res[key], CUT * 2 * B, 3)
+
+
+# -- real ranks: TP2 x PP3, packing bestfit, inter_document_masking ------------------------------------
+DOC_CFG = GPTBatchConfig(inter_document_masking=True)
+
+
+def _ranks_documents(rank, world, init_file, spec, out):
+    init_rank(rank, world, init_file)
+    layout = ParallelLayout(world, tp=2, pp=3)
+    groups = create_parallel_groups(layout, ("dp", "tp", "pp"), backend="gloo")
+    result = {}
+    for mode in ("broadcast", "read"):
+        data = build_megatron_iterators(spec, layout, rank, micro_batch_size=B, batch_config=DOC_CFG, num_workers=0,
+                                        groups=groups, tensor_parallel=mode, valid=False, test=False)  # fmt: skip
+        result[mode] = [_snapshot(data.get_batch()) for _ in range(4)]
+        data.flush()
+    torch.save(result, f"{out}/documents-{rank}.pt")
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def test_inter_document_masking_reaches_every_pipeline_stage(tmp_path):
+    """First stage: tokens and boundaries; middle stage: the boundaries alone (as Megatron-LM broadcasts them);
+    last stage: labels, loss_mask (bestfit's padding masked) and boundaries. Both TP modes."""
+    prefix = str(tmp_path / "docs")
+    rng = numpy.random.default_rng(4)
+    with IndexedDatasetWriter(prefix, numpy.uint16) as writer:
+        for _ in range(200):
+            writer.add_document(rng.integers(0, 1000, int(rng.integers(SEQ // 2, SEQ))))  # bins cannot fill up
+    spec = {"data_path": prefix, "seq_length": SEQ, "split": "1", "packing": "bestfit"}
+    spawn(_ranks_documents, 6, tmp_path, spec, str(tmp_path))
+    layout = ParallelLayout(6, tp=2, pp=3)
+    ds = get_train_dataset(spec, batch_size=B, document_boundaries=True)
+    loader = get_savable_loader(ds)
+    batches = [b for _, b in zip(range(4), loader, strict=False)]
+    expected = [{**gpt_batch(b["text"], DOC_CFG, b), "sample_id": b["sample_id"]} for b in batches]
+    stage_keys = {
+        0: {"tokens", "position_ids", "cu_seqlens", "max_seqlen", "sample_id"},
+        1: {"cu_seqlens", "max_seqlen", "sample_id"},
+        2: {"labels", "loss_mask", "cu_seqlens", "max_seqlen", "sample_id"},
+    }
+    padded = 0
+    for rank in range(6):
+        got = torch.load(tmp_path / f"documents-{rank}.pt")
+        keys = stage_keys[layout.rank_info(rank).pp_rank]
+        for mode in ("broadcast", "read"):
+            for mine, want in zip(got[mode], expected, strict=True):
+                assert set(mine) == keys, (rank, mode, sorted(mine))
+                for key in keys:
+                    assert torch.equal(mine[key], want[key]), (rank, mode, key)
+                if "loss_mask" in mine:
+                    padded += int((mine["loss_mask"] == 0).sum())
+    assert padded > 0  # bestfit's padding reached the last stage's loss_mask

@@ -44,7 +44,8 @@ class MegatronData:
     """This rank's iterators and what :meth:`get_batch` needs to move their batches.
 
     ``train`` / ``valid`` / ``test`` are None where Megatron's ``get_batch`` never touches the
-    iterator (middle stages; TP ranks > 0 in ``"broadcast"`` mode) and for empty splits.
+    iterator (middle stages, unless ``inter_document_masking`` gives them the document boundaries;
+    TP ranks > 0 in ``"broadcast"`` mode) and for empty splits.
     """
 
     train: MegatronIterator | None
@@ -75,6 +76,8 @@ class MegatronData:
         """The keys Megatron's ``get_batch_on_this_tp_rank`` moves on this rank's stage."""
         first, last = self.info.pp_rank == 0, self.info.is_last_stage
         documents = self.batch_config.inter_document_masking
+        if documents and not first and not last:
+            return ("cu_seqlens", "max_seqlen", "sample_id")
         mask = ("attention_mask",) if self.batch_config.create_attention_mask and not documents else ()
         bounds = ("cu_seqlens", "max_seqlen") if documents else ()
         if first and last:
@@ -105,7 +108,9 @@ class MegatronData:
         """Megatron's ``get_batch`` + ``get_batch_on_this_tp_rank`` for a loop of your own.
 
         Call it on every rank once per micro-batch (middle stages return at once, never
-        touching an iterator). In ``"broadcast"`` mode TP rank 0 takes the next batch and
+        touching an iterator, except with ``inter_document_masking``, where they receive
+        ``cu_seqlens`` and ``max_seqlen`` from their first stage, as Megatron-LM broadcasts them).
+        In ``"broadcast"`` mode TP rank 0 takes the next batch and
         broadcasts this stage's tensors over the TP group; in ``"read"`` mode every TP rank
         already holds the same batch. ``which`` is ``"train"``, ``"valid"``, ``"test"`` or an
         iterator. ``device`` moves tensors there before the broadcast (use a TP group of the
@@ -232,7 +237,8 @@ def build_megatron_iterators(
       ``get_batch_on_this_tp_rank`` does), in ``"read"`` mode every TP rank reads the same samples;
     - last stage (PP > 1): a receiving iterator fed over a :class:`StageLink` by the first
       stage of its own pipeline (never a second loader);
-    - middle stages: None.
+    - middle stages: None; with ``batch_config.inter_document_masking`` a receiving iterator of
+      ``cu_seqlens``, ``max_seqlen`` and ``sample_id`` (attention needs them on every stage).
 
     Resume: ``consumed_train_samples`` is Megatron's global counter (any DP or micro-batch size
     resumes from it); ``state`` is this DP rank's saved loader state (``save_state()``'s return
@@ -287,12 +293,16 @@ def build_megatron_iterators(
         groups.update(create_parallel_groups(layout, missing, backend="gloo"))
 
     first, last = info.pp_rank == 0, info.is_last_stage
-    reads = first and (tensor_parallel == "read" or info.tp_rank == 0)
-    receives = last and not first and (tensor_parallel == "read" or info.tp_rank == 0)
+    documents = config.inter_document_masking
+    holder = tensor_parallel == "read" or info.tp_rank == 0  # the TP ranks that call next()
+    reads = first and holder
+    receives = last and not first and holder
+    # Attention needs the document boundaries on every stage: middle stages receive them too.
+    receives_bounds = documents and not first and not last and holder
     peer = info.pp_group_ranks[-1] if reads and not last else info.first_stage_rank
+    middle_peers = info.pp_group_ranks[1:-1] if reads and documents else []
     seq_length = spec.seq_length
     b, s = micro_batch_size, seq_length
-    documents = config.inter_document_masking
     # The last stage derives its fields from what the first sends: text, and the loader's extra
     # fields (bestfit's loss_mask, the document boundaries) when there are any.
     link_specs = [TensorSpec("text", (b, s + 1), torch.int64), TensorSpec("sample_id", (b,), torch.int64)]
@@ -301,16 +311,24 @@ def build_megatron_iterators(
     if documents:
         link_specs += [TensorSpec("cu_seqlens", (b, s + 1), torch.int32), TensorSpec("max_seqlen", (b,), torch.int32),
                        TensorSpec("position_ids", (b, s), torch.int64)]  # fmt: skip
+    bounds_specs = [TensorSpec("cu_seqlens", (b, s + 1), torch.int32), TensorSpec("max_seqlen", (b,), torch.int32),
+                    TensorSpec("sample_id", (b,), torch.int64)]  # fmt: skip
 
     built: dict[str, MegatronIterator | None] = {"train": None, "valid": None, "test": None}
     errors: list[str | None] = []
     wanted = {"train": True, "valid": valid, "test": test}
     for split, want in wanted.items():
-        if not want or spec.blend_for(split) is None or not (reads or receives):
+        if not want or spec.blend_for(split) is None or not (reads or receives or receives_bounds):
             continue
         link = None
+        tag = LINK_TAG + SPLIT_TAGS[split]
+        if receives_bounds:
+            link = StageLink(info.first_stage_rank, bounds_specs, group=groups.get("pp"), tag=tag, depth=depth)
+            built[split] = MegatronIterator(split, format, config, link=link, receive=True)
+            continue
         if layout.pp > 1:
-            link = StageLink(peer, link_specs, group=groups.get("pp"), tag=LINK_TAG + SPLIT_TAGS[split], depth=depth)
+            link = StageLink(peer, link_specs, group=groups.get("pp"), tag=tag, depth=depth)
+        fanout = [StageLink(p, bounds_specs, group=groups.get("pp"), tag=tag, depth=depth) for p in middle_peers]
         if receives:
             built[split] = MegatronIterator(split, format, config, link=link, receive=True)
             continue
@@ -338,7 +356,9 @@ def build_megatron_iterators(
                         "it more data"
                     )
                 loader = get_loader(dataset, **loader_options)
-            built[split] = MegatronIterator(split, format, config, loader=loader, link=link, cyclic=split != "train")
+            built[split] = MegatronIterator(
+                split, format, config, loader=loader, link=link, fanout=fanout, cyclic=split != "train"
+            )
         except StatefulsetError as error:
             errors.append(f"rank {rank}: {error}" if not str(error).startswith("rank ") else str(error))
     raise_on_every_rank(errors)

@@ -49,12 +49,15 @@ class MegatronIterator:
         link: StageLink | None = None,
         receive: bool = False,
         cyclic: bool = False,
+        fanout: list[StageLink] | None = None,
     ) -> None:
         self.split = split
         self.format = fmt
         self.batch_config = config
         self.loader = loader
         self.link = link
+        # Links to the middle stages (document boundaries only, with inter_document_masking).
+        self.fanout = list(fanout or [])
         self.receive = receive
         self.cyclic = cyclic
         self._source: Iterator[dict[str, torch.Tensor]] | None = None
@@ -92,9 +95,12 @@ class MegatronIterator:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         raw = self._next_raw()
-        if self.link is not None and not self.receive:
-            self.link.send({spec.name: raw[spec.name] for spec in self.link.specs})
+        if not self.receive:
+            for link in ([self.link] if self.link is not None else []) + self.fanout:
+                link.send({spec.name: raw[spec.name] for spec in link.specs})
         self.batches += 1
+        if "text" not in raw:  # a middle stage: the document boundaries are its whole batch
+            return dict(raw)
         return format_batch(raw, self.format, self.batch_config)
 
     # -- state -----------------------------------------------------------------------------
@@ -104,8 +110,7 @@ class MegatronIterator:
         None on a receiving iterator or an eval iterator: nothing to resume there. Waits for
         the text rows still in flight to the last stage first, so a checkpoint never races a send.
         """
-        if self.link is not None and not self.receive:
-            self.link.flush()
+        self.flush()
         if isinstance(self.loader, SavableLoader):
             return self.loader.save_state_rank()
         return None
@@ -122,9 +127,10 @@ class MegatronIterator:
         return None
 
     def flush(self) -> None:
-        """Wait for every text row still in flight to the last stage (before exit or a checkpoint)."""
-        if self.link is not None and not self.receive:
-            self.link.flush()
+        """Wait for every text row still in flight to later stages (before exit or a checkpoint)."""
+        if not self.receive:
+            for link in ([self.link] if self.link is not None else []) + self.fanout:
+                link.flush()
 
     def __repr__(self) -> str:
         kind = "receiving" if self.receive else "reading"
