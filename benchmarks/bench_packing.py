@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 
 from plots import IMG_DIR, RESULTS_DIR, add_plot_argument  # noqa: E402
 
-from statefulset import IndexedDatasetWriter  # noqa: E402
+from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset  # noqa: E402
 from statefulset.streams.documents import gather_fields  # noqa: E402
 from statefulset.streams.opening import open_stream  # noqa: E402
 
@@ -118,17 +118,41 @@ def olmo_figures(olmo_python: str, lengths: numpy.ndarray, strategy: str, folder
 
 
 def assembly(spec: dict, batches: int, repeats: int) -> dict:
-    out = {}
+    """Tokens/s of batch assembly (B=8, random positions, warm page cache), without and with boundaries.
+
+    In process (``gather_fields``, what a worker runs per batch) and through a loader with two
+    workers (what the trainer receives), best of ``repeats``.
+    """
+    out: dict = {}
     stream = open_stream(spec)
+    upper = len(stream) if not stream.unbounded else 10**6
+    rng = numpy.random.default_rng(0)
+    plans = [rng.integers(0, upper, 8) for _ in range(batches)]
     for boundaries in (False, True):
+        for p in plans[:20]:
+            gather_fields(stream, p, boundaries)  # warm the page cache and the memo
         best = float("inf")
         for _ in range(repeats):
             began = time.perf_counter()
-            for t in range(batches):
-                gather_fields(stream, numpy.arange(t * 8, t * 8 + 8), boundaries)
+            for p in plans:
+                gather_fields(stream, p, boundaries)
             best = min(best, time.perf_counter() - began)
-        out["with" if boundaries else "without"] = batches * 8 * SEQ / best
-    out["slowdown"] = out["without"] / out["with"] - 1
+        out["in process, with" if boundaries else "in process, without"] = batches * 8 * SEQ / best
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+        best = float("inf")
+        for _ in range(repeats):
+            loader = get_savable_loader(get_train_dataset(spec, batch_size=8, worker_config=wc,
+                                                          document_boundaries=boundaries))  # fmt: skip
+            iterator = iter(loader)
+            next(iterator)  # workers started
+            began = time.perf_counter()
+            for _, _batch in zip(range(batches), iterator, strict=False):
+                pass
+            best = min(best, time.perf_counter() - began)
+            del iterator, loader
+        out["2 workers, with" if boundaries else "2 workers, without"] = batches * 8 * SEQ / best
+    for where in ("in process", "2 workers"):
+        out[f"{where}, slowdown"] = out[f"{where}, without"] / out[f"{where}, with"] - 1
     return out
 
 

@@ -64,40 +64,84 @@ def merge_pieces(size: int, parts: list[tuple[numpy.ndarray, Pieces]]) -> Pieces
 
 
 def document_fields(
-    pieces: Pieces, seq_length: int, positions: numpy.ndarray | None = None, native: bool | None = None
+    pieces: Pieces,
+    seq_length: int,
+    positions: numpy.ndarray | None = None,
+    native: bool | None = None,
+    out: dict[str, numpy.ndarray] | None = None,
 ) -> dict[str, numpy.ndarray]:
     """``cu_seqlens`` int32 ``[B, S+1]``, ``max_seqlen`` int32 ``[B]``, ``position_ids`` int64 ``[B, S]``.
 
-    One pass of the compiled kernel when available (``native`` as in :func:`compiled.pick`); the
-    numpy version below gives the same arrays, and the error messages.
+    One pass of the compiled kernel when available (``native`` as in :func:`compiled.pick`),
+    straight into ``out``'s arrays when they have those shapes and dtypes (a worker's ring slot);
+    the numpy version below gives the same arrays, and the error messages.
     """
     rows = pieces.counts.size
     if rows == 0:
         return _empty(seq_length)
     lib = compiled.pick(native)
     if lib is not None:
-        out = {
-            "cu_seqlens": numpy.empty((rows, seq_length + 1), dtype=numpy.int32),
-            "max_seqlen": numpy.empty(rows, dtype=numpy.int32),
-            "position_ids": numpy.empty((rows, seq_length), dtype=numpy.int64),
-        }
-        counts = numpy.ascontiguousarray(pieces.counts, dtype=numpy.int64)
-        lengths = numpy.ascontiguousarray(pieces.lengths, dtype=numpy.int64)
-        used = numpy.ascontiguousarray(pieces.used, dtype=numpy.int64)
-        if lengths.size < int(counts.sum()):
-            raise StatefulsetError(f"internal: {lengths.size} piece lengths for {int(counts.sum())} pieces")
-        i64, i32 = numpy.int64, numpy.int32
-        code = lib.sf_document_fields(
-            *(compiled.address(a, i64) for a in (counts, lengths, used)),
-            rows,
-            seq_length,
-            compiled.address(out["cu_seqlens"], i32),
-            compiled.address(out["max_seqlen"], i32),
-            compiled.address(out["position_ids"], i64),
-        )
-        if code == 0:
-            return out
+        found = _fields_compiled(lib, pieces, seq_length, out or {})
+        if found is not None:
+            return found
     return _document_fields_numpy(pieces, seq_length, positions)
+
+
+_CONSTANT_ROWS: dict[int, tuple[numpy.ndarray, numpy.ndarray, int, int]] = {}
+
+
+def _constant_rows(seq_length: int) -> tuple[numpy.ndarray, numpy.ndarray, int, int]:
+    """``0..S-1`` (int64) and ``S+1`` copies of ``S`` (int32), and their addresses: rows the kernel copies."""
+    found = _CONSTANT_ROWS.get(seq_length)
+    if found is None:
+        if len(_CONSTANT_ROWS) > 8:  # a few sequence lengths per process at most
+            _CONSTANT_ROWS.clear()
+        iota = numpy.arange(seq_length, dtype=numpy.int64)
+        fill = numpy.full(seq_length + 1, seq_length, dtype=numpy.int32)
+        found = (iota, fill, iota.ctypes.data, fill.ctypes.data)
+        _CONSTANT_ROWS[seq_length] = found
+    return found
+
+
+def _fields_compiled(
+    lib: Any, pieces: Pieces, seq_length: int, given: dict[str, numpy.ndarray]
+) -> dict[str, numpy.ndarray] | None:
+    """The kernel's fields, into ``given``'s arrays where they fit (a ring slot), else into one new block.
+
+    Written for a per-batch cost of a few µs: numpy's per-call overheads (``prod``, ``.ctypes``)
+    would otherwise cost more than the kernel's work.
+    """
+    rows = pieces.counts.size
+    if pieces.lengths.size < int(pieces.counts.sum()):
+        raise StatefulsetError(f"internal: {pieces.lengths.size} piece lengths for {int(pieces.counts.sum())} pieces")
+    packed = numpy.concatenate([pieces.counts, pieces.used, pieces.lengths]).astype(numpy.int64, copy=False)
+    cu_bytes = rows * (seq_length + 1) * 4
+    cu_room = -(-cu_bytes // 8) * 8
+    max_room = -(-rows * 4 // 8) * 8
+    cu, top, pos = given.get("cu_seqlens"), given.get("max_seqlen"), given.get("position_ids")
+    if (
+        _fits(cu, (rows, seq_length + 1), _INT32)
+        and _fits(top, (rows,), _INT32)
+        and _fits(pos, (rows, seq_length), _INT64)
+    ):
+        addresses = (cu.ctypes.data, top.ctypes.data, pos.ctypes.data)  # type: ignore[union-attr]
+    else:  # one block, three views: one address to read instead of three
+        block = numpy.empty(cu_room + max_room + rows * seq_length * 8, dtype=numpy.uint8)
+        base = block.ctypes.data
+        cu = block[:cu_bytes].view(numpy.int32).reshape(rows, seq_length + 1)
+        top = block[cu_room : cu_room + rows * 4].view(numpy.int32)
+        pos = block[cu_room + max_room :].view(numpy.int64).reshape(rows, seq_length)
+        addresses = (base, base + cu_room, base + cu_room + max_room)
+    _, _, iota, fill = _constant_rows(seq_length)
+    code = lib.sf_document_fields(packed.ctypes.data, rows, seq_length, *addresses, iota, fill)
+    return {"cu_seqlens": cu, "max_seqlen": top, "position_ids": pos} if code == 0 else None
+
+
+_INT32, _INT64 = numpy.dtype(numpy.int32), numpy.dtype(numpy.int64)
+
+
+def _fits(array: numpy.ndarray | None, shape: tuple[int, ...], dtype: numpy.dtype) -> bool:
+    return array is not None and array.shape == shape and array.dtype == dtype and array.flags.c_contiguous
 
 
 def _document_fields_numpy(
@@ -201,8 +245,9 @@ def gather_fields(
     if padded:
         _put(out, "loss_mask", loss_mask(pieces.used, stream.seq_length))
     if boundaries:
-        for name, value in document_fields(pieces, stream.seq_length, positions).items():
-            _put(out, name, value)
+        for name, value in document_fields(pieces, stream.seq_length, positions, out=out).items():
+            if out.get(name) is not value:
+                _put(out, name, value)
     return out
 
 
