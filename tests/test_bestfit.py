@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from statefulset import IndexedDatasetWriter, get_train_dataset
 from statefulset.errors import StatefulsetError
-from statefulset.index.bestfit.packing import count_bins, pack_window, split_documents
+from statefulset.index.bestfit import source as source_module
+from statefulset.index.bestfit.packing import count_bins, pack_window, split_documents, window_entries
 from statefulset.index.cache import builds
 from statefulset.spec.model import load_spec
 from statefulset.streams.opening import open_stream
@@ -66,9 +67,19 @@ def runs(row: numpy.ndarray, pad_id: int = -1) -> list[tuple[int, int, int]]:
     return out
 
 
-def test_one_epoch_holds_every_token_once_and_never_cuts_a_fitting_document(corpus):
+@pytest.fixture(params=["one window", "many windows"])
+def windows(request, monkeypatch):
+    """The default (a window holds this small corpus whole) and windows of ~8 samples (~20 documents)."""
+    if request.param == "many windows":
+        monkeypatch.setattr(source_module, "WINDOW_SAMPLES", 8)
+        monkeypatch.setattr(source_module, "_MIN_WINDOW", 4)
+    return request.param
+
+
+def test_one_epoch_holds_every_token_once_and_never_cuts_a_fitting_document(corpus, windows):
     root, lengths = corpus
     stream = open_stream(spec_for(root))
+    assert (stream.sources[0].bins.size > 10) == (windows == "many windows")
     n = stream.samples_per_epoch
     capacity = SEQ + 1
     epochs = []
@@ -92,10 +103,10 @@ def test_one_epoch_holds_every_token_once_and_never_cuts_a_fitting_document(corp
     assert not numpy.array_equal(epochs[0], epochs[1])  # another order each epoch
     assert sorted(map(bytes, epochs[0])) == sorted(map(bytes, epochs[1]))  # the same samples
     padding = (epochs[0] == -1).mean()
-    assert padding < 0.02, padding
+    assert padding < (0.1 if windows == "many windows" else 0.002), padding  # tiny windows pad more
 
 
-def test_loss_mask_marks_real_labels_and_pad_id_is_kept(corpus):
+def test_loss_mask_marks_real_labels_and_pad_id_is_kept(corpus, windows):
     root, _ = corpus
     ds = get_train_dataset(spec_for(root, pad_id=-7), batch_size=2, document_boundaries=True)
     padded = 0
@@ -141,11 +152,11 @@ def test_pad_id_belongs_to_bestfit_only(tmp_path):
 def test_opening_is_o1_once_the_bins_are_cached(corpus):
     root, _ = corpus
     spec = spec_for(root, seed=99)
-    before = builds.get("BestFitBins", 0)
+    before = builds.get("BestFitIndex", 0)
     first = open_stream(spec)
-    assert builds.get("BestFitBins", 0) == before + 1
+    assert builds.get("BestFitIndex", 0) == before + 1
     again = open_stream(spec)
-    assert builds.get("BestFitBins", 0) == before + 1  # loaded, not rebuilt
+    assert builds.get("BestFitIndex", 0) == before + 1  # loaded, not rebuilt
     assert again.fingerprint == first.fingerprint
     far = numpy.array([10**12, 3 * 10**9 + 5])  # a restore is a seek: any position, no pass
     numpy.testing.assert_array_equal(again.gather(far), first.gather(far))
@@ -160,9 +171,9 @@ def test_prepare_builds_the_bins(corpus, tmp_path):
     run = subprocess.run([sys.executable, "-m", "statefulset", "prepare", str(tmp_path / "spec.yaml"), "--quiet"],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr
-    before = builds.get("BestFitBins", 0)
+    before = builds.get("BestFitIndex", 0)
     open_stream(spec)
-    assert builds.get("BestFitBins", 0) == before
+    assert builds.get("BestFitIndex", 0) == before
 
 
 def test_a_blend_draws_each_source_by_weight(corpus):
@@ -226,3 +237,43 @@ def test_a_state_is_refused_by_a_loader_with_another_pad_id_or_packing(corpus):
     native = get_savable_loader(get_train_dataset(spec_for(root, packing="native"), batch_size=2))
     with pytest.raises(StatefulsetError, match=r"packing: state has 'bestfit', this loader 'native'.*pad_id"):
         native.restore_state_rank(state)
+
+
+def test_explain_names_the_documents_of_a_sample_and_inspect_shows_the_shares(corpus, windows):
+    root, _ = corpus
+    ds = get_train_dataset(spec_for(root, data_path={str(root / "web"): 0.75, str(root / "code"): 0.25}), batch_size=1)
+    for p in (0, 5, 999, 10**10 + 3):
+        found = ds.explain(p)
+        text = ds[p]["text"]
+        real = text[text != -1]
+        from statefulset import IndexedDataset
+
+        dataset = IndexedDataset(found.source)
+        tokens = numpy.concatenate([piece.read(dataset) for piece in found.pieces])
+        numpy.testing.assert_array_equal(tokens, real)
+        assert (
+            found.packing == "bestfit"
+            and found.epoch == found.local_sample // ds.stream.sources[found.source_index].samples_per_epoch
+        )
+    from statefulset.streams.overview import describe
+
+    overview = describe(ds.stream)
+    assert [round(s.share, 2) for s in overview.sources] == [0.75, 0.25]
+    assert [s.samples_per_epoch for s in overview.sources] == [s.samples_per_epoch for s in ds.stream.sources]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 200).flatmap(lambda c: st.tuples(st.just(c), st.lists(st.integers(0, c), max_size=300))))
+def test_window_entries_list_each_bin_in_placement_order(case):
+    capacity, sizes = case
+    sizes = numpy.array(sizes, dtype=numpy.int64)
+    bin_of, bins = pack_window(sizes, capacity)
+    for native in (True, False):
+        entries, bin_end = window_entries(sizes, capacity, native=native)
+        assert bin_end.size == bins and (bins == 0 or int(bin_end[-1]) == entries.size)
+        starts = numpy.concatenate([[0], bin_end[:-1]]).astype(numpy.int64)
+        for b in range(bins):
+            items = entries[starts[b] : bin_end[b]].astype(numpy.int64)
+            assert (bin_of[items] == b).all()
+            assert [(-int(sizes[i]), int(i)) for i in items] == sorted((-int(sizes[i]), int(i)) for i in items)
+        assert sorted(entries.tolist()) == numpy.flatnonzero(sizes > 0).tolist()

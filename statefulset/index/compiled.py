@@ -150,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_bestfit_counts.restype = i64
     lib.sf_bestfit_window.argtypes = [array(numpy.int64), i64, i64, array(numpy.int64)]
     lib.sf_bestfit_window.restype = i64
+    lib.sf_bestfit_entries.argtypes = [array(numpy.int64), i64, i64, array(numpy.uint32), array(numpy.uint32)]
+    lib.sf_bestfit_entries.restype = i64
     # Called once per batch on small arrays: raw addresses (the callers pass C-contiguous arrays of
     # the right dtypes, see address()), since ndpointer's checks cost ~10 µs per argument (and
     # even reading an array's address costs ~1.7 µs, so callers pass as few as they can).

@@ -444,3 +444,55 @@ int64_t sf_window_pieces(const int64_t *pointers, int64_t n, int64_t itemsize, c
     }
     return written;
 }
+
+/*
+ * One window of packing bestfit, for its stored index: the items (sizes[i] tokens, 0 = no item)
+ * packed as sf_bestfit_window does, then listed bin after bin, each bin's items in the order they
+ * were placed. entries[] receives the item numbers (room for n), bin_end[m] the number of entries
+ * through bin m (room for n). Returns the number of bins, or a negative code as sf_bestfit_window.
+ */
+int64_t sf_bestfit_entries(const int64_t *sizes, int64_t n, int64_t capacity, uint32_t *entries, uint32_t *bin_end) {
+    if (n == 0) return 0;
+    int64_t words = capacity / 64 + 1;
+    int64_t *count = malloc((size_t)(capacity + 2) * sizeof(int64_t));
+    int64_t *head = malloc((size_t)(capacity + 1) * sizeof(int64_t));
+    int64_t *order = malloc((size_t)n * sizeof(int64_t));
+    int64_t *next = malloc((size_t)n * sizeof(int64_t));
+    int64_t *room = malloc((size_t)n * sizeof(int64_t));
+    int64_t *bin_of = malloc((size_t)n * sizeof(int64_t));
+    uint64_t *bits = malloc((size_t)words * sizeof(uint64_t));
+    int64_t bins = -2;
+    if (count && head && order && next && room && bin_of && bits) {
+        bins = sf_pack_one(sizes, n, capacity, bin_of, count, order, head, next, room, bits);
+        if (bins >= 0) {
+            /* order[0..placed) is the placement order; a counting sort by bin keeps it within bins. */
+            int64_t placed = 0;
+            for (int64_t b = 0; b < bins; b++) bin_end[b] = 0;
+            for (int64_t i = 0; i < n; i++) {
+                if (bin_of[i] >= 0) {
+                    bin_end[bin_of[i]]++;
+                    placed++;
+                }
+            }
+            uint32_t total = 0;
+            for (int64_t b = 0; b < bins; b++) {
+                total += bin_end[b];
+                bin_end[b] = total;
+            }
+            /* room[] is free again: the next slot of each bin (its start). */
+            for (int64_t b = 0; b < bins; b++) room[b] = b ? bin_end[b - 1] : 0;
+            for (int64_t k = 0; k < placed; k++) {
+                int64_t item = order[k];
+                entries[room[bin_of[item]]++] = (uint32_t)item;
+            }
+        }
+    }
+    free(count);
+    free(head);
+    free(order);
+    free(next);
+    free(room);
+    free(bin_of);
+    free(bits);
+    return bins;
+}

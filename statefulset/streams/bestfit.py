@@ -1,7 +1,7 @@
 """``packing: bestfit``: samples of whole documents (best-fit decreasing in windows), padded with ``pad_id``.
 
-Sources are :class:`statefulset.index.bestfit.source.BestFitSource` (their bins-per-window
-table comes from the content-keyed index cache, or is built once), blended position by position
+Sources are :class:`statefulset.index.bestfit.source.BestFitSource` (their packed index comes
+from the content-keyed index cache, or is built once, in one pass), blended position by position
 by the native blend tree (:mod:`statefulset.index.native.blend_tree`), so a bestfit stream has
 the shape of a native one: every ``p >= 0`` is a sample, a restore is a seek.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import numpy
 
 from statefulset.errors import StatefulsetError
-from statefulset.index.bestfit.source import BestFitSource, build_bins, window_documents
+from statefulset.index.bestfit.source import BestFitSource, build_index, window_documents
 from statefulset.index.cache import IndexCache
 from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.keys import derive_key
@@ -24,6 +24,7 @@ from statefulset.streams.documents import Pieces
 
 DEFAULT_PAD_ID = -1
 BESTFIT_VERSION = 1  # of the dealing and packing rules: part of every cache key and fingerprint
+_INDEX_VERSION = 2  # of the stored index's arrays (a cache key part only)
 
 
 class _BinFiller:
@@ -104,8 +105,9 @@ def open_bestfit(spec: DatasetSpec, split: str, identity: dict[str, Any], opened
         first, last = dataset.token_span(lo, hi)
         window = window_documents(hi - lo, last - first, capacity)
         description = {
-            "kind": "BestFitBins",
+            "kind": "BestFitIndex",
             "version": BESTFIT_VERSION,
+            "index_version": _INDEX_VERSION,
             "idx_digest": opened.digests[i],
             "sequences": [lo, hi],
             "seq_length": spec.seq_length,
@@ -114,12 +116,12 @@ def open_bestfit(spec: DatasetSpec, split: str, identity: dict[str, Any], opened
         }
 
         def build(dataset=dataset, lo=lo, hi=hi, key=key, window=window) -> dict[str, numpy.ndarray]:
-            return {"bins": build_bins(dataset, (lo, hi), spec.seq_length, key, window)}
+            return build_index(dataset, (lo, hi), spec.seq_length, key, window)
 
         with spec.blame("path_to_cache"):
-            bins = cache.get_or_build("BestFitBins", description, build)["bins"]
+            index = cache.get_or_build("BestFitIndex", description, build)
         with spec.blame(spec.data_key(split)):
-            sources.append(BestFitSource(dataset, (lo, hi), spec.seq_length, key, window, bins))
+            sources.append(BestFitSource(dataset, (lo, hi), spec.seq_length, key, window, index))
     identity["pad_id"] = pad_id
     identity["bestfit"] = BESTFIT_VERSION
     weights = [float(w) for _, w in opened.live] if opened.weighted else [float(s.samples_per_epoch) for s in sources]

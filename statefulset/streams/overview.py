@@ -153,6 +153,8 @@ def describe(stream: SampleStream) -> SplitOverview:
             weights[i],
             1.0,
         )
+        if stream.packing == "bestfit":
+            item.samples_per_epoch = source.samples_per_epoch  # bins, not windows
         if stream.packing == "megatron":
             item.samples = len(source)
             item.epochs = int(source.document_index.shape[0]) // max(hi - lo, 1)
@@ -164,11 +166,11 @@ def describe(stream: SampleStream) -> SplitOverview:
         for item, count in zip(overview.sources, counts.tolist(), strict=True):
             item.blend_samples = int(count)
             item.share = count / max(len(stream), 1)
-    elif stream.packing == "native" and len(sources) > 1:
+    elif stream.packing in ("native", "bestfit") and len(sources) > 1:
         total = sum(stream.weights)  # type: ignore[attr-defined]
         for item, w in zip(overview.sources, stream.weights, strict=True):  # type: ignore[attr-defined]
             item.share = w / total  # exact by construction, within ceil(log2 K) samples at any prefix
-    if stream.packing == "native" and num_samples is not None:
+    if stream.packing in ("native", "bestfit") and num_samples is not None:
         for item in overview.sources:
             item.epochs_at_num_samples = num_samples * item.share / max(item.samples_per_epoch, 1)
     overview.samples_per_epoch = sum(s.samples_per_epoch for s in overview.sources)
@@ -193,7 +195,7 @@ def record_open(stream: SampleStream, seconds: float, built: dict[str, int], whe
     stream.open_seconds, stream.open_built = seconds, built
     if not logger.isEnabledFor(logging.INFO) or not _logs_here():
         return
-    if stream.packing not in ("megatron", "native"):  # a packing this module does not know yet
+    if stream.packing not in ("megatron", "native", "bestfit"):  # a packing this module does not know yet
         logger.info("statefulset: %s: opened %r in %.2f s", where, stream, seconds)
         return
     lines = describe(stream).lines()

@@ -8,9 +8,12 @@ O(1) per sample (O(log N) binary searches in the mapped ``.idx``, never a pass o
   ``sample_index[k][0] .. sample_index[k+1][0]`` of ``document_index`` (a blend first picks the
   part and ``i`` from ``dataset_index`` / ``dataset_sample_index``);
 - ``packing: native``: local sample ``q`` of a source is window ``perm_e(q mod W)`` of epoch
-  ``e = q // W``; a binary search over the sequence pointers finds the sequences it covers.
+  ``e = q // W``; a binary search over the sequence pointers finds the sequences it covers;
+- ``packing: bestfit``: local sample ``q`` is bin ``perm_e(q mod n)`` of epoch ``e = q // n``,
+  found in the stored index of its window's packing.
 
-Concatenating the pieces' tokens gives exactly ``ds[p]["text"]`` (the tests check this).
+Concatenating the pieces' tokens gives exactly ``ds[p]["text"]`` (the tests check this), followed
+by padding for a bestfit sample that does not fill up.
 """
 
 from __future__ import annotations
@@ -132,6 +135,8 @@ def explain(stream: SampleStream, position: int, tokenizer: Any = None) -> Prove
         found = _megatron(stream, p)
     elif stream.packing == "native":
         found = _native(stream, p)
+    elif stream.packing == "bestfit":
+        found = _bestfit(stream, p)
     else:
         raise StatefulsetError(f"explain: packing {stream.packing!r} has no provenance yet")
     decoder = decoder_for(tokenizer)
@@ -237,6 +242,31 @@ def _native(stream: Any, p: int) -> Provenance:
         local,
         local // source.windows,
         _pieces(dataset, runs),
+    )
+
+
+def _bestfit(stream: Any, p: int) -> Provenance:
+    if stream.schedule is None:
+        which, local = 0, p
+    else:
+        w, q = stream.schedule.locate(numpy.array([p], dtype=numpy.int64))
+        which, local = int(w[0]), int(q[0])
+    source = stream.sources[which]
+    b = int(source.bins_of(numpy.array([local], dtype=numpy.int64))[0])
+    sequences, offsets, lengths = source.bin_items(b)
+    runs = list(zip(sequences.tolist(), offsets.tolist(), lengths.tolist(), strict=True))
+    return Provenance(
+        stream.split,
+        "bestfit",
+        stream.seq_length,
+        p,
+        p,
+        0,
+        source.dataset.path_prefix,
+        which,
+        local,
+        local // source.samples_per_epoch,
+        _pieces(source.dataset, runs),
     )
 
 

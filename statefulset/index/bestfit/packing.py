@@ -61,6 +61,30 @@ def count_bins(sizes: numpy.ndarray, window: int, capacity: int, native: bool | 
     )
 
 
+def window_entries(
+    sizes: numpy.ndarray, capacity: int, native: bool | None = None
+) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """``(entries, bin_end)``: the window's items bin after bin (placement order within a bin) and the entry
+    count through each bin, both uint32; what the stored index keeps of a window."""
+    sizes = numpy.ascontiguousarray(sizes, dtype=numpy.int64)
+    _check(sizes, capacity)
+    if sizes.size >= 2**32:
+        raise StatefulsetError(f"best-fit packing: a window of {sizes.size} items is too large")
+    lib = compiled.pick(native)
+    if lib is not None:
+        entries = numpy.empty(sizes.size, dtype=numpy.uint32)
+        bin_end = numpy.empty(sizes.size, dtype=numpy.uint32)
+        bins = int(lib.sf_bestfit_entries(sizes, sizes.size, capacity, entries, bin_end))
+        if bins < 0:
+            raise StatefulsetError(f"best-fit packing failed in the compiled kernel (code {bins})")
+        return entries[: int(bin_end[bins - 1]) if bins else 0], bin_end[:bins]
+    bin_of, bins = _pack_python(sizes.tolist(), capacity)
+    placed = sorted(numpy.flatnonzero(bin_of >= 0).tolist(), key=lambda i: (-int(sizes[i]), i))
+    entries = numpy.array(sorted(placed, key=lambda i: int(bin_of[i])), dtype=numpy.uint32)  # stable
+    bin_end = numpy.cumsum(numpy.bincount(bin_of[bin_of >= 0], minlength=bins)).astype(numpy.uint32)
+    return entries, bin_end
+
+
 def _check(sizes: numpy.ndarray, capacity: int) -> None:
     if capacity < 1:
         raise StatefulsetError(f"best-fit packing: capacity must be positive, got {capacity}")
