@@ -190,7 +190,8 @@ def chart(results: dict, path: str) -> None:
         ax.barh(ys - 0.27, dropped, 0.27, label="tokens dropped (%)", color="#b33a3a")
         for y, values in zip(ys, zip(padding, cut, dropped, strict=True), strict=True):
             for dy, v in zip((0.27, 0, -0.27), values, strict=True):
-                ax.annotate(f"{v:.2f}", (v, y + dy), xytext=(2, 0), textcoords="offset points", va="center", fontsize=7)
+                label = "0" if v == 0 else f"{v:.2g}"
+                ax.annotate(label, (v, y + dy), xytext=(2, 0), textcoords="offset points", va="center", fontsize=7)
         ax.set_yticks(ys)
         ax.set_yticklabels(names, fontsize=8)
         ax.set_title(f"{kind} lengths, samples of {CAPACITY} tokens", fontsize=10)
@@ -206,8 +207,13 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=200_000)
     parser.add_argument("--olmo-python", default=os.environ.get("OLMO_PYTHON", ""))
     parser.add_argument("--batches", type=int, default=300)
+    parser.add_argument("--chart-only", action="store_true", help="redraw the chart from benchmarks/results only")
     add_plot_argument(parser)
     args = parser.parse_args()
+    if args.chart_only:
+        with open(os.path.join(RESULTS_DIR, "bench_packing.json")) as f:
+            chart(json.load(f), os.path.join(IMG_DIR, "bench_packing.png"))
+        return
     results: dict = {"documents": args.documents, "capacity": CAPACITY, "corpora": {}}
     with tempfile.TemporaryDirectory() as folder:
         for kind in ("geometric", "long-tail"):
