@@ -1,0 +1,129 @@
+"""A data schedule's train stream: each stage's mixture over its positions, each source keeping its own place.
+
+Stage ``k`` covers positions ``[start_k, start_{k+1})``; position ``p`` inside it is position
+``q = p - start_k`` of the stage's blend tree (:mod:`statefulset.index.native.blend_tree`), which
+names a source and ``r``, the source's ``r``-th draw *within the stage*. The source then serves its
+local sample ``offset_k[source] + r``, where ``offset_k`` counts its draws in all earlier stages:
+``count_j(source, start_{j+1} - start_j)`` summed over ``j < k``, each an O(log K) walk down stage
+``j``'s tree. So a source's samples continue its own epoch order across any number of stage
+changes: no repeat, no skip, whatever the weights did. Opening is O(stages x sources); reading a
+position is O(log stages + log K).
+
+Sources are keyed by their ``.idx`` content digest (not their place in a list), so adding a
+source to a later stage changes nothing for the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy
+
+from statefulset.index.native.blend_tree import BlendSchedule
+from statefulset.streams.base import SampleStream, _fill_by_source
+from statefulset.streams.documents import Pieces
+
+
+def stage_digest(start: int, sources: list[tuple[str, tuple[int, int], float]]) -> str:
+    """What a stage's samples depend on: its start and each source's .idx digest, split range and weight."""
+    text = json.dumps([start, [[d, list(r), w] for d, r, w in sources]])
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class _Locator:
+    """``locate(positions) -> (source, local)`` over the whole schedule: the interface explain() uses."""
+
+    def __init__(self, stream: StagedStream) -> None:
+        self.stream = stream
+
+    def locate(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+        return self.stream.locate(positions)
+
+
+class StagedStream(SampleStream):
+    """Positions split into stages, each a blend over some of the sources; sources count their own draws."""
+
+    def __init__(
+        self,
+        spec: Any,
+        split: str,
+        identity: dict[str, Any],
+        sources: list[Any],
+        fillers: list[Any],
+        prefixes: list[str],
+        stages: list[tuple[int, list[tuple[int, float]]]],
+        padded: bool = False,
+    ) -> None:
+        super().__init__(spec, split, identity, sum(s.windows for s in sources), unbounded=True)
+        self.sources = sources
+        self.prefixes = prefixes
+        self._fillers = fillers
+        self.padded = padded
+        self.starts = numpy.array([start for start, _ in stages], dtype=numpy.int64)
+        self.stage_sources = [[s for s, _ in members] for _, members in stages]
+        self.stage_weights = [[w for _, w in members] for _, members in stages]
+        self.schedules = [BlendSchedule(w) if len(w) > 1 else None for w in self.stage_weights]
+        # offsets[k, s]: source s's draws before stage k (the place it continues from).
+        self.offsets = numpy.zeros((len(stages), len(sources)), dtype=numpy.int64)
+        for k in range(1, len(stages)):
+            drawn = self._stage_counts(k - 1, int(self.starts[k] - self.starts[k - 1]))
+            self.offsets[k] = self.offsets[k - 1] + drawn
+        self.schedule = _Locator(self)  # what provenance and the overview call
+
+    @property
+    def weights(self) -> list[float]:
+        """The last stage's weight of every source (0 for sources it does not read)."""
+        out = [0.0] * len(self.sources)
+        for s, w in zip(self.stage_sources[-1], self.stage_weights[-1], strict=True):
+            out[s] = w
+        return out
+
+    def _stage_counts(self, k: int, n: int) -> numpy.ndarray:
+        """Draws of every source among the first ``n`` positions of stage ``k``."""
+        out = numpy.zeros(len(self.sources), dtype=numpy.int64)
+        schedule = self.schedules[k]
+        counts = [n] if schedule is None else schedule.counts(n)
+        for s, c in zip(self.stage_sources[k], counts, strict=True):
+            out[s] += c
+        return out
+
+    def stage_of(self, position: int) -> int:
+        """The stage governing ``position``."""
+        return int(numpy.searchsorted(self.starts, position, side="right")) - 1
+
+    def locate(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``(source, local sample)`` of every position."""
+        p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
+        stage = numpy.searchsorted(self.starts, p, side="right") - 1
+        which = numpy.empty(p.size, dtype=numpy.int64)
+        local = numpy.empty(p.size, dtype=numpy.int64)
+        for k in sorted(set(stage.tolist())):
+            rows = numpy.flatnonzero(stage == k)
+            q = p[rows] - self.starts[k]
+            schedule = self.schedules[k]
+            if schedule is None:
+                member, r = numpy.zeros(q.size, dtype=numpy.int64), q
+            else:
+                member, r = schedule.locate(q)
+            source = numpy.asarray(self.stage_sources[k], dtype=numpy.int64)[member]
+            which[rows] = source
+            local[rows] = self.offsets[k, source] + r
+        return which, local
+
+    def source_positions(self, position: int) -> dict[str, int]:
+        """For each source prefix: how many of its samples the positions ``[0, position)`` drew."""
+        p = int(position)
+        if p < 0:
+            raise ValueError(f"source_positions: position must be non-negative, got {p}")
+        k = self.stage_of(p)
+        counts = self.offsets[k] + self._stage_counts(k, p - int(self.starts[k]))
+        return {prefix: int(c) for prefix, c in zip(self.prefixes, counts.tolist(), strict=True)}
+
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
+        which, local = self.locate(positions)
+        return _fill_by_source(which, local, out, self._fillers, want)
+
+    def __repr__(self) -> str:
+        return f"StagedStream({self.split}, seq_length={self.seq_length}, {len(self.starts)} stages, unbounded)"
