@@ -35,8 +35,10 @@ _IDENTITY_KEYS = {
     "num_samples": (int, type(None)),
     "data": str,
 }
-# Present for packing bestfit only (states of the other packings stay as they were).
-_OPTIONAL_IDENTITY_KEYS = {"pad_id": int, "bestfit": int}
+# Present for packing bestfit ("pad_id", "bestfit") and for data schedules ("stages": [start,
+# digest] of every stage); states of the other specs stay as they were.
+_OPTIONAL_IDENTITY_KEYS = {"pad_id": int, "bestfit": int, "stages": list}
+_MAX_STAGES = 100  # a state travels in a fixed 4 KiB slot (statefulset.parallel.exchange)
 _INT_KEYS = ("dp_rank", "dp_size", "batch_size", "base", "batches", "num_workers")
 _KEYS = {"format", "version", "identity", *_INT_KEYS}
 _MAX_POSITION = 2**62  # positions stay far inside int64 whatever the arithmetic
@@ -116,7 +118,7 @@ def check_state(state: Any, where: str = "state") -> dict[str, Any]:
         _OPTIONAL_IDENTITY_KEYS
     ):
         raise StatefulsetError(
-            f"{where}: field 'identity' must hold {sorted(_IDENTITY_KEYS)} (and, for packing bestfit, "
+            f"{where}: field 'identity' must hold {sorted(_IDENTITY_KEYS)} (and may hold "
             f"{sorted(_OPTIONAL_IDENTITY_KEYS)})"
         )
     for key, kind in {**_IDENTITY_KEYS, **_OPTIONAL_IDENTITY_KEYS}.items():
@@ -125,7 +127,28 @@ def check_state(state: Any, where: str = "state") -> dict[str, Any]:
         value = identity[key]
         if not isinstance(value, kind) or isinstance(value, bool):
             raise StatefulsetError(f"{where}: field 'identity.{key}' has the wrong type ({type(value).__name__})")
+    if "stages" in identity:
+        _check_stages(identity["stages"], where)
     return state
+
+
+def _check_stages(stages: list[Any], where: str) -> None:
+    if not 1 <= len(stages) <= _MAX_STAGES:
+        raise StatefulsetError(f"{where}: field 'identity.stages' must hold 1 to {_MAX_STAGES} stages")
+    previous = -1
+    for k, entry in enumerate(stages):
+        if (
+            not isinstance(entry, list | tuple)
+            or len(entry) != 2
+            or not _is_int(entry[0])
+            or not isinstance(entry[1], str)
+            or len(entry[1]) != 16
+            or not previous < entry[0] < _MAX_POSITION
+        ):
+            raise StatefulsetError(
+                f"{where}: field 'identity.stages[{k}]' must be [start, 16-hex digest], starts increasing"
+            )
+        previous = entry[0]
 
 
 def cursor_of(state: dict[str, Any]) -> Cursor:
@@ -133,9 +156,18 @@ def cursor_of(state: dict[str, Any]) -> Cursor:
 
 
 def check_identity(state: dict[str, Any], identity: dict[str, Any], where: str) -> None:
-    """Refuse a state taken on other data, naming every field that differs."""
+    """Refuse a state taken on other data, naming every field that differs.
+
+    A data schedule's stages are compared only as far as the past goes: the stages that began
+    before the state's position must be the same; later ones may be added, changed or removed.
+    """
     saved = state["identity"]
-    differs = [key for key in (*_IDENTITY_KEYS, *_OPTIONAL_IDENTITY_KEYS) if saved.get(key) != identity.get(key)]
+    keys = [*_IDENTITY_KEYS, *_OPTIONAL_IDENTITY_KEYS]
+    differs = [key for key in keys if key != "stages" and saved.get(key) != identity.get(key)]
+    if ("stages" in saved) != ("stages" in identity):
+        differs.append("stages")
+    elif "stages" in saved:
+        _check_past_stages(saved["stages"], identity["stages"], cursor_of(state).consumed, where)
     if differs:
         details = "; ".join(
             f"{key}: state has {saved.get(key)!r}, this loader {identity.get(key)!r}"
@@ -144,6 +176,27 @@ def check_identity(state: dict[str, Any], identity: dict[str, Any], where: str) 
             for key in differs
         )
         raise StatefulsetError(f"{where}: the state does not fit this dataset ({details})")
+
+
+def _check_past_stages(saved: list[Any], current: list[Any], position: int, where: str) -> None:
+    """The stages that began before ``position`` must be identical in both schedules."""
+    past = [list(entry) for entry in saved if entry[0] < position]
+    now = [list(entry) for entry in current if entry[0] < position]
+    if past == now:
+        return
+    k = next(i for i in range(max(len(past), len(now))) if i >= len(past) or i >= len(now) or past[i] != now[i])
+    if k >= len(now):
+        what = f"stage {k} (start {past[k][0]}) is gone"
+    elif k >= len(past):
+        what = f"stage {k} (start {now[k][0]}) is new but begins before that position"
+    elif past[k][0] != now[k][0]:
+        what = f"stage {k} starts at {now[k][0]}, the state's at {past[k][0]}"
+    else:
+        what = f"stage {k} (start {now[k][0]}) reads other sources or weights"
+    raise StatefulsetError(
+        f"{where}: the state was saved at position {position}, and the stages that began before it must stay as "
+        f"they were: {what}. Change the mixture from a position at or after {position} with a new stage instead"
+    )
 
 
 def fit_rank_state(state: Any, identity: dict[str, Any], dp_rank: int, dp_size: int, batch_size: int) -> Cursor:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_
 
 from statefulset.errors import StatefulsetError
 from statefulset.spec.splits import SPLITS, parse_split
+from statefulset.spec.stages import StageSpec, check_stages, parse_stage_blends, union_of
 
 # (prefix, weight); the weight is None when none was given (one prefix, or a list of prefixes):
 # Megatron then builds a lone GPTDataset, or blends by dataset size, not by weight.
@@ -116,6 +117,8 @@ class DatasetSpec(BaseModel):
     train: SplitSpec | None = None
     valid: SplitSpec | None = None
     test: SplitSpec | None = None
+    # A data schedule (docs/schedules.md): replaces data_path for packing native and bestfit.
+    stages: list[StageSpec] | None = None
     _source: str = PrivateAttr(default=_UNNAMED)
 
     _blend = field_validator("data_path", mode="before")(lambda v: None if v is None else _blend(v))
@@ -145,8 +148,20 @@ class DatasetSpec(BaseModel):
     @model_validator(mode="after")
     def _some_data(self) -> DatasetSpec:
         per_split = any(getattr(self, s) is not None for s in SPLITS)
+        if self.stages is not None:
+            if self.data_path is not None or per_split:
+                raise ValueError("key 'stages': give stages instead of data_path (and of train:/valid:/test:)")
+            problem = check_stages(self.stages, self.packing, _blend)
+            if problem is not None:
+                raise ValueError(problem)
+            parsed = parse_stage_blends(self.stages, _blend)
+            stages = [
+                stage.model_copy(update={"data_path": blend}) for stage, blend in zip(self.stages, parsed, strict=True)
+            ]
+            object.__setattr__(self, "stages", stages)
+            return self
         if self.data_path is None and not per_split:
-            raise ValueError("give data_path, or per-split train:/valid:/test: sections")
+            raise ValueError("give data_path, per-split train:/valid:/test: sections, or stages")
         if self.data_path is not None and per_split:
             raise ValueError("give either data_path (with split) or train:/valid:/test:, not both")
         if self.pad_id is not None and self.packing != "bestfit":
@@ -185,7 +200,9 @@ class DatasetSpec(BaseModel):
             raise type(exc)(f"{self._source}: key '{key}': {exc}") from exc
 
     def data_key(self, split: str) -> str:
-        """The key whose prefixes feed ``split``: ``data_path`` or ``<split>.data_path``."""
+        """The key whose prefixes feed ``split``: ``data_path``, ``stages`` or ``<split>.data_path``."""
+        if self.stages is not None:
+            return "stages"
         return "data_path" if self.data_path is not None else f"{split}.data_path"
 
     def num_samples_key(self, split: str) -> str:
@@ -193,8 +210,20 @@ class DatasetSpec(BaseModel):
         section = getattr(self, split)
         return f"{split}.num_samples" if section is not None and section.num_samples is not None else "num_samples"
 
+    def stage_blends(self) -> list[tuple[int, Blend]]:
+        """``(start, blend)`` of every stage (a weight of None, one prefix alone, counts as 1)."""
+        return [(stage.start, list(stage.data_path)) for stage in self.stages or []]
+
     def blend_for(self, split: str) -> tuple[Blend, int | None] | None:
-        """(prefixes with weights, num_samples) for a split, or None when the split is empty."""
+        """(prefixes with weights, num_samples) for a split, or None when the split is empty.
+
+        With stages: every prefix any stage names, unweighted (the train stream then follows the
+        stages; valid and test blend those sources by size).
+        """
+        if self.stages is not None:
+            if parse_split(self.split)[SPLITS.index(split)] == 0:
+                return None
+            return union_of([blend for _, blend in self.stage_blends()]), None
         if self.data_path is not None:
             ratios = parse_split(self.split)
             if ratios[SPLITS.index(split)] == 0:
@@ -238,7 +267,9 @@ def load_spec(source: str | os.PathLike[str] | Mapping[str, Any], *, check_files
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
-            key = ".".join(str(p) for p in error["loc"])
+            key = ".".join(str(p) for p in error["loc"]).replace("stages.", "stages[", 1)
+            if key.startswith("stages[") and "." in key:
+                key = key.replace(".", "].", 1)  # stages[0].start, as the checks name it
             message = error["msg"].removeprefix("Value error, ")
             if error["type"] == "extra_forbidden":
                 message = "unknown key"
@@ -258,6 +289,11 @@ def load_spec(source: str | os.PathLike[str] | Mapping[str, Any], *, check_files
             updates[split] = section.model_copy(
                 update={"data_path": [(_resolve(p, base), w) for p, w in section.data_path]}
             )
+    if spec.stages is not None:
+        updates["stages"] = [
+            stage.model_copy(update={"data_path": [(_resolve(p, base), w) for p, w in stage.data_path]})
+            for stage in spec.stages
+        ]
     if spec.path_to_cache is not None:
         updates["path_to_cache"] = _resolve(spec.path_to_cache, base)
     spec = spec.model_copy(update=updates)
@@ -271,6 +307,7 @@ def _check_shards(spec: DatasetSpec) -> None:
     sections = [("data_path", spec.data_path)] + [
         (f"{s}.data_path", getattr(spec, s).data_path) for s in SPLITS if getattr(spec, s) is not None
     ]
+    sections += [(f"stages[{k}].data_path", stage.data_path) for k, stage in enumerate(spec.stages or [])]
     for key, blend in sections:
         for prefix, _ in blend or []:
             for ext in (".bin", ".idx"):

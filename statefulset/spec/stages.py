@@ -54,6 +54,8 @@ def parse_stage_blends(stages: list[StageSpec], blend: Any) -> list[Blend]:
     """Each stage's data_path as a Blend, or ValueError naming the stage."""
     out = []
     for k, stage in enumerate(stages):
+        if isinstance(stage.data_path, list | tuple | dict) and not stage.data_path:
+            raise ValueError(f"key 'stages[{k}].data_path': the stage reads nothing; give a prefix or prefix -> weight")
         try:
             parsed = blend(stage.data_path)
         except ValueError as exc:

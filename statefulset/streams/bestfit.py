@@ -64,6 +64,14 @@ class BestFitStream(SampleStream):
         self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
         self._fillers = [_BinFiller(s, pad_id) for s in sources]
 
+    def source_positions(self, position: int) -> dict[str, int]:
+        """For each source prefix: how many of its samples the positions ``[0, position)`` drew."""
+        p = int(position)
+        if p < 0:
+            raise ValueError(f"source_positions: position must be non-negative, got {p}")
+        counts = [p] if self.schedule is None else self.schedule.counts(p)
+        return {s.dataset.path_prefix: int(c) for s, c in zip(self.sources, counts, strict=True)}
+
     @property
     def samples_per_epoch(self) -> int:
         """Samples in one epoch of the spec's only source (epoch e is positions [e*n, (e+1)*n))."""
@@ -94,21 +102,19 @@ def check_pad_id(spec: DatasetSpec, opened: OpenedSources) -> int:
     return pad_id
 
 
-def open_bestfit(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> BestFitStream:
-    """Each source's bins per window (cached, or built in one pass), blended as native sources are."""
-    pad_id = check_pad_id(spec, opened)
+def bestfit_sources(spec: DatasetSpec, split: str, opened: OpenedSources, keys: list[int]) -> list[BestFitSource]:
+    """Each source's packed index (cached, or built in one pass) under its key."""
     cache = IndexCache(opened.cache_root)
     capacity = spec.seq_length + 1
     sources = []
-    for i, (dataset, (lo, hi)) in enumerate(zip(opened.datasets, opened.ranges, strict=True)):
-        key = derive_key(spec.seed, i, SPLITS.index(split))
+    for dataset, (lo, hi), digest, key in zip(opened.datasets, opened.ranges, opened.digests, keys, strict=True):
         first, last = dataset.token_span(lo, hi)
         window = window_documents(hi - lo, last - first, capacity)
         description = {
             "kind": "BestFitIndex",
             "version": BESTFIT_VERSION,
             "index_version": _INDEX_VERSION,
-            "idx_digest": opened.digests[i],
+            "idx_digest": digest,
             "sequences": [lo, hi],
             "seq_length": spec.seq_length,
             "key": key,
@@ -122,6 +128,14 @@ def open_bestfit(spec: DatasetSpec, split: str, identity: dict[str, Any], opened
             index = cache.get_or_build("BestFitIndex", description, build)
         with spec.blame(spec.data_key(split)):
             sources.append(BestFitSource(dataset, (lo, hi), spec.seq_length, key, window, index))
+    return sources
+
+
+def open_bestfit(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> BestFitStream:
+    """Each source's packed index (cached, or built in one pass), blended as native sources are."""
+    pad_id = check_pad_id(spec, opened)
+    keys = [derive_key(spec.seed, i, SPLITS.index(split)) for i in range(len(opened.datasets))]
+    sources = bestfit_sources(spec, split, opened, keys)
     identity["pad_id"] = pad_id
     identity["bestfit"] = BESTFIT_VERSION
     weights = [float(w) for _, w in opened.live] if opened.weighted else [float(s.samples_per_epoch) for s in sources]

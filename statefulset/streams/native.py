@@ -82,6 +82,14 @@ class NativeStream(SampleStream):
         self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
         self._fillers = [_WindowFiller(s) for s in sources]
 
+    def source_positions(self, position: int) -> dict[str, int]:
+        """For each source prefix: how many of its samples the positions ``[0, position)`` drew."""
+        p = int(position)
+        if p < 0:
+            raise ValueError(f"source_positions: position must be non-negative, got {p}")
+        counts = [p] if self.schedule is None else self.schedule.counts(p)
+        return {s.dataset.path_prefix: int(c) for s, c in zip(self.sources, counts, strict=True)}
+
     @property
     def samples_per_epoch(self) -> int:
         """Samples in one epoch of the spec's only source (epoch e is positions [e*n, (e+1)*n))."""

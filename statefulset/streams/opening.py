@@ -30,6 +30,7 @@ from statefulset.streams.bestfit import open_bestfit
 from statefulset.streams.megatron import open_megatron
 from statefulset.streams.native import open_native
 from statefulset.streams.overview import record_open
+from statefulset.streams.stages import open_staged
 
 
 def open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any], split: str = "train") -> SampleStream:
@@ -76,7 +77,7 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     blend, num_samples = selected
     live = [(prefix, weight) for prefix, weight in blend if weight is None or weight > 0]
     weighted = live[0][1] is not None
-    per_split = spec.data_path is None
+    per_split = spec.data_path is None and spec.stages is None
     if per_split:
         bookends: tuple[float, float] = (0.0, 1.0)
     else:
@@ -119,8 +120,10 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     )
     identity["data"] = hashlib.blake2b(sources_text.encode(), digest_size=12).hexdigest()
     opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests, cache_root)
-    if spec.packing == "native":
-        stream: SampleStream = open_native(spec, split, identity, opened)
+    if spec.stages is not None and split == "train":
+        stream: SampleStream = open_staged(spec, split, identity, opened)
+    elif spec.packing == "native":
+        stream = open_native(spec, split, identity, opened)
     elif spec.packing == "bestfit":
         stream = open_bestfit(spec, split, identity, opened)
     else:

@@ -22,8 +22,13 @@ from typing import Any
 import numpy
 
 from statefulset.index.native.blend_tree import BlendSchedule
-from statefulset.streams.base import SampleStream, _fill_by_source
+from statefulset.index.native.keys import derive_key
+from statefulset.index.native.windows import WindowSource
+from statefulset.spec.splits import SPLITS
+from statefulset.streams.base import OpenedSources, SampleStream, _fill_by_source
+from statefulset.streams.bestfit import BESTFIT_VERSION, _BinFiller, bestfit_sources, check_pad_id
 from statefulset.streams.documents import Pieces
+from statefulset.streams.native import _WindowFiller
 
 
 def stage_digest(start: int, sources: list[tuple[str, tuple[int, int], float]]) -> str:
@@ -127,3 +132,40 @@ class StagedStream(SampleStream):
 
     def __repr__(self) -> str:
         return f"StagedStream({self.split}, seq_length={self.seq_length}, {len(self.starts)} stages, unbounded)"
+
+
+def open_staged(spec: Any, split: str, identity: dict[str, Any], opened: OpenedSources) -> StagedStream:
+    """The train stream of a spec with ``stages``: its sources (every prefix any stage names), keyed by content."""
+    prefixes = [prefix for prefix, _ in opened.live]
+    # A source's key comes from its .idx digest, not from its place among the prefixes: adding a
+    # source to a later stage leaves every other source's order as it was.
+    keys = [derive_key(spec.seed, int(d[:15], 16), SPLITS.index(split)) for d in opened.digests]
+    if spec.packing == "bestfit":
+        pad_id = check_pad_id(spec, opened)
+        sources: list[Any] = bestfit_sources(spec, split, opened, keys)
+        fillers: list[Any] = [_BinFiller(s, pad_id) for s in sources]
+        identity["pad_id"] = pad_id
+        identity["bestfit"] = BESTFIT_VERSION
+    else:
+        pad_id = None
+        with spec.blame("seq_length"):
+            sources = [
+                WindowSource(ds, r, spec.seq_length, key)
+                for ds, r, key in zip(opened.datasets, opened.ranges, keys, strict=True)
+            ]
+        fillers = [_WindowFiller(s) for s in sources]
+    where = {prefix: i for i, prefix in enumerate(prefixes)}
+    stages, digests = [], []
+    for start, blend in spec.stage_blends():
+        members = [(where[prefix], 1.0 if weight is None else float(weight)) for prefix, weight in blend]
+        stages.append((start, members))
+        described = [(opened.digests[s], opened.ranges[s], w) for s, w in members]
+        digests.append([start, stage_digest(start, described)])
+    # The past depends on the stages that began before a position, never on later ones: the
+    # fingerprint leaves the sources out ("data") and the restore compares the stages that began
+    # before the saved position (statefulset.loading.state).
+    identity["data"] = "stages"
+    identity["stages"] = digests
+    stream = StagedStream(spec, split, identity, sources, fillers, prefixes, stages, padded=pad_id is not None)
+    stream.pad_id = pad_id  # type: ignore[attr-defined]
+    return stream

@@ -67,7 +67,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
     status = 0
     for prefix in args.prefix:
-        if is_spec_path(prefix):
+        if is_spec_path(prefix) and args.at is not None:
+            from statefulset.tools.schedule_report import schedule_report
+
+            report = schedule_report(prefix, args.at)
+        elif is_spec_path(prefix):
             report = preview_spec(prefix)
         else:
             report = inspect_shard(prefix, multimodal=args.multimodal, vocab_size=args.vocab_size)
@@ -175,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multimodal", action="store_true")
     p.add_argument("--vocab-size", type=int, default=None, help="also check every token id is below this")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--at",
+        type=int,
+        default=None,
+        metavar="POSITION",
+        help="for a spec: the train stream at this global sample position (step x global batch): its stage, each "
+        "source's samples, share so far and epochs (docs/schedules.md)",
+    )
     p.set_defaults(run=_inspect)
 
     p = sub.add_parser(

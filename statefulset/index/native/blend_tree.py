@@ -64,6 +64,24 @@ class BlendSchedule:
         self._live = [i for i, w in enumerate(weights) if w > 0]
         self._tree = _build_tree(live, 0)
 
+    def counts(self, n: int) -> list[int]:
+        """How many of the positions ``[0, n)`` each source serves (zero-weight sources included), in O(K).
+
+        At a node, the first ``n`` positions send ``floor(n·a)`` left (the sum of the per-position
+        rule telescopes) and the rest right; the leaves get what reaches them.
+        """
+        out = [0] * len(self.weights)
+        self._count(self._tree, int(n), out)
+        return out
+
+    def _count(self, node: _Node, n: int, out: list[int]) -> None:
+        if node.left is None:
+            out[self._live[node.source]] += n
+            return
+        left = (n >> _SCALE_BITS) * node.share + (((n & (_SCALE - 1)) * node.share) >> _SCALE_BITS)
+        self._count(node.left, left, out)
+        self._count(node.right, n - left, out)  # type: ignore[arg-type]
+
     def locate(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
         p = numpy.asarray(positions, dtype=numpy.int64)
         if p.size and p.min() < 0:
