@@ -199,3 +199,22 @@ def test_valid_split_blends_every_source_by_size(shards):
     spec = {**staged(shards, ANNEAL), "split": "90,10,0"}
     valid = open_stream(spec, "valid")
     assert len(valid.sources) == 3 and len(open_stream(spec).prefixes) == 3
+
+
+def test_megatron_and_nanotron_take_a_staged_spec(shards):
+    from statefulset import ParallelLayout
+    from statefulset.integrations.megatron import build_megatron_iterators
+    from statefulset.integrations.nanotron import build_nanotron_dataloader
+
+    spec = staged(shards, ANNEAL)
+    stream = open_stream(spec)
+    data = build_megatron_iterators(spec, ParallelLayout(1), rank=0, micro_batch_size=4, num_workers=0,
+                                    consumed_train_samples=696, valid=False, test=False)  # fmt: skip
+    for t in range(3):  # across the start of the annealing stage (700)
+        batch = data.get_batch()
+        assert (batch.tokens.numpy() == stream.gather(numpy.arange(696 + 4 * t, 700 + 4 * t))[:, :-1]).all()
+    # Nanotron: each data stage of a Nanotron config is a stage of one schedule; the run resumes from
+    # its consumed_train_samples whatever stage it is in.
+    loader = build_nanotron_dataloader(spec, ParallelLayout(1), micro_batch_size=4, consumed_train_samples=692)
+    micro_batch = next(loader)
+    assert (micro_batch["input_ids"].numpy() == stream.gather(numpy.arange(692, 696))[:, :-1]).all()

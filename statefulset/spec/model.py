@@ -308,8 +308,12 @@ def _check_shards(spec: DatasetSpec) -> None:
         (f"{s}.data_path", getattr(spec, s).data_path) for s in SPLITS if getattr(spec, s) is not None
     ]
     sections += [(f"stages[{k}].data_path", stage.data_path) for k, stage in enumerate(spec.stages or [])]
+    checked: set[str] = set()  # a schedule names its sources in many stages: look once
     for key, blend in sections:
         for prefix, _ in blend or []:
+            if prefix in checked:
+                continue
+            checked.add(prefix)
             for ext in (".bin", ".idx"):
                 if not _exists(prefix + ext):
                     raise spec.error(key, f"shard {prefix}{ext} does not exist")

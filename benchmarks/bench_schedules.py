@@ -1,0 +1,141 @@
+"""Opening a data schedule of 10 stages x 50 sources and reading at a late position: time and memory.
+
+Each row runs in a fresh process (imports done before timing; the shards' facts already cached,
+as on any node after ``statefulset prepare``): open the spec's train stream, then gather one batch
+of 8 at position P. The claim (issue 15): time and memory are O(stages x sources), not O(P).
+
+The anchor: megatron-core changes a mixture by building a new ``BlendedDataset`` index, whose size
+is the number of samples it covers, so reaching position P costs a build of P entries
+(``helpers_cpp.build_blending_indices`` with 50 weights, timed for P = 10^6 and 10^7 in the same
+run). Nanotron's data stages and Energon restart their datasets per stage instead.
+
+    python benchmarks/bench_schedules.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+STAGES, SOURCES = 10, 50
+
+
+def make(folder: str) -> str:
+    from statefulset import IndexedDatasetWriter
+
+    rng = numpy.random.default_rng(0)
+    prefixes = []
+    for s in range(SOURCES):
+        prefix = os.path.join(folder, f"source_{s:02d}")
+        with IndexedDatasetWriter(prefix, numpy.uint16) as w:
+            lengths = rng.geometric(1 / 300, 2000)
+            w.add_documents(rng.integers(0, 60000, int(lengths.sum())).astype(numpy.uint16), lengths.tolist())
+        for ext in (".bin", ".idx"):  # as a corpus written an hour ago: settled, so its facts are remembered
+            past = time.time() - 3600
+            os.utime(prefix + ext, (past, past))
+        prefixes.append(prefix)
+    stages = []
+    for k in range(STAGES):
+        weights = rng.random(SOURCES) * (rng.random(SOURCES) < 0.7)
+        weights[k % SOURCES] += 0.1  # never all zero
+        stages.append(
+            {"start": k * 10**11, "data_path": {p: round(float(w), 4) for p, w in zip(prefixes, weights, strict=True)}}
+        )
+    spec = {"seq_length": 2048, "split": "1", "packing": "native", "stages": stages,
+            "path_to_cache": os.path.join(folder, "cache")}  # fmt: skip
+    path = os.path.join(folder, "schedule.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return path
+
+
+def child(path: str, position: int) -> None:
+    import tracemalloc
+
+    from statefulset.streams.opening import open_stream
+
+    with open(path) as f:
+        spec = json.load(f)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tracemalloc.start()
+    began = time.perf_counter()
+    stream = open_stream(spec)
+    opened = time.perf_counter() - began
+    began = time.perf_counter()
+    stream.gather(numpy.arange(position, position + 8))
+    read = time.perf_counter() - began
+    began = time.perf_counter()
+    counts = stream.source_positions(position)
+    standing = time.perf_counter() - began
+    peak = tracemalloc.get_traced_memory()[1]
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
+    print(
+        json.dumps(
+            {
+                "position": position,
+                "open_s": opened,
+                "read_s": read,
+                "source_positions_s": standing,
+                "python_peak_mb": peak / 2**20,
+                "rss_growth_mb": grown / 1024,
+                "drawn": sum(counts.values()),
+            }
+        )
+    )
+
+
+def megatron_blend(size: int) -> float | None:
+    try:
+        from megatron.core.datasets import helpers_cpp
+    except ImportError:
+        return None
+    weights = numpy.random.default_rng(0).random(SOURCES)
+    weights /= weights.sum()
+    index = numpy.zeros(size, dtype=numpy.int16)
+    sample = numpy.zeros(size, dtype=numpy.int64)
+    began = time.perf_counter()
+    helpers_cpp.build_blending_indices(index, sample, weights, SOURCES, size, False)
+    return time.perf_counter() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=2, metavar=("SPEC", "POSITION"))
+    args = parser.parse_args()
+    if args.child:
+        child(args.child[0], int(args.child[1]))
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        path = make(folder)
+        rows = []
+        for position in (0, 10**6, 10**9, 10**12 - 5):
+            for _ in range(3):
+                run = subprocess.run([sys.executable, __file__, "--child", path, str(position)], check=True,
+                                     capture_output=True, text=True, timeout=600)  # fmt: skip
+                rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
+        anchor = {str(size): megatron_blend(size) for size in (10**6, 10**7)}
+    summary = {}
+    for position in sorted({r["position"] for r in rows}):
+        mine = [r for r in rows if r["position"] == position][1:]  # the first fills the facts and page cache
+        summary[str(position)] = {k: min(r[k] for r in mine) for k in mine[0] if k not in ("position", "drawn")}
+    result = {"stages": STAGES, "sources": SOURCES, "ours": summary, "megatron_core_blend_build_s": anchor}
+    print(json.dumps(result, indent=1))
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "bench_schedules.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
