@@ -58,10 +58,16 @@ def make(folder: str) -> str:
     path = os.path.join(folder, "schedule.json")
     with open(path, "w") as f:
         json.dump(spec, f)
+    # The same 50 sources without stages (the last stage's mixture): what opening the shards costs.
+    flat = {**spec, "data_path": stages[-1]["data_path"]}
+    del flat["stages"]
+    with open(os.path.join(folder, "flat.json"), "w") as f:
+        json.dump(flat, f)
     return path
 
 
-def child(path: str, position: int) -> None:
+def child(path: str, position: int, trace: bool) -> None:
+    """One open and read; with ``trace``, Python's allocations instead of times (tracemalloc slows Python 2-5x)."""
     import tracemalloc
 
     from statefulset.streams.opening import open_stream
@@ -69,7 +75,8 @@ def child(path: str, position: int) -> None:
     with open(path) as f:
         spec = json.load(f)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    tracemalloc.start()
+    if trace:
+        tracemalloc.start()
     began = time.perf_counter()
     stream = open_stream(spec)
     opened = time.perf_counter() - began
@@ -79,7 +86,7 @@ def child(path: str, position: int) -> None:
     began = time.perf_counter()
     counts = stream.source_positions(position)
     standing = time.perf_counter() - began
-    peak = tracemalloc.get_traced_memory()[1]
+    peak = tracemalloc.get_traced_memory()[1] if trace else 0
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
     print(
         json.dumps(
@@ -112,24 +119,32 @@ def megatron_blend(size: int) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", nargs=2, metavar=("SPEC", "POSITION"))
+    parser.add_argument("--child", nargs=3, metavar=("SPEC", "POSITION", "TRACE"))
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], int(args.child[1]))
+        child(args.child[0], int(args.child[1]), args.child[2] == "trace")
         return
     with tempfile.TemporaryDirectory() as folder:
         path = make(folder)
         rows = []
         for position in (0, 10**6, 10**9, 10**12 - 5):
-            for _ in range(3):
-                run = subprocess.run([sys.executable, __file__, "--child", path, str(position)], check=True,
+            for mode in ("time", "time", "time", "time", "trace"):
+                run = subprocess.run([sys.executable, __file__, "--child", path, str(position), mode], check=True,
                                      capture_output=True, text=True, timeout=600)  # fmt: skip
-                rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
+                rows.append({**json.loads(run.stdout.strip().splitlines()[-1]), "mode": mode})
+        flat = os.path.join(folder, "flat.json")
+        for mode in ("time", "time", "time", "time", "trace"):
+            run = subprocess.run([sys.executable, __file__, "--child", flat, "0", mode], check=True,
+                                 capture_output=True, text=True, timeout=600)  # fmt: skip
+            rows.append({**json.loads(run.stdout.strip().splitlines()[-1]), "mode": mode, "position": "no stages"})
         anchor = {str(size): megatron_blend(size) for size in (10**6, 10**7)}
     summary = {}
-    for position in sorted({r["position"] for r in rows}):
-        mine = [r for r in rows if r["position"] == position][1:]  # the first fills the facts and page cache
-        summary[str(position)] = {k: min(r[k] for r in mine) for k in mine[0] if k not in ("position", "drawn")}
+    for position in sorted({r["position"] for r in rows}, key=str):
+        timed = [r for r in rows if r["position"] == position and r["mode"] == "time"][1:]  # the first warms up
+        traced = [r for r in rows if r["position"] == position and r["mode"] == "trace"]
+        summary[str(position)] = {k: min(r[k] for r in timed) for k in ("open_s", "read_s", "source_positions_s")}
+        summary[str(position)]["python_peak_mb"] = traced[0]["python_peak_mb"]
+        summary[str(position)]["rss_growth_mb"] = max(r["rss_growth_mb"] for r in timed)
     result = {"stages": STAGES, "sources": SOURCES, "ours": summary, "megatron_core_blend_build_s": anchor}
     print(json.dumps(result, indent=1))
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
