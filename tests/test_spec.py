@@ -76,7 +76,7 @@ def test_per_split_sections(shards):
         ({"data_path": "data/missing", "seq_length": 8}, r"key 'data_path': shard .*missing\.bin does not exist"),
         ({"data_path": "data/a", "seq_length": 8, "packing": "nanotron"}, r"key 'packing'"),
         ({"data_path": "data/a", "seq_length": 8, "num_samples": -5}, r"key 'num_samples': must be positive"),
-        ({"seq_length": 8}, r"give data_path, or per-split"),
+        ({"seq_length": 8}, r"give data_path, per-split train:/valid:/test: sections, or stages"),
         ({"seq_length": 8, "train": {"data_path": "data/a", "extra": 1}}, r"key 'train.extra': unknown key"),
         ("- just\n- a list\n", r"must be a mapping"),
         ("data_path: [unclosed\n", r"not valid YAML"),
