@@ -142,9 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("preprocess", help="tokenise JSON lines into <prefix>_<key>_document.{bin,idx}")
-    p.add_argument("--input", nargs="+", required=True, help="JSON-lines files (plain or .gz) or glob patterns")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="JSON-lines files (plain or .gz), Parquet files (pyarrow), or glob patterns",
+    )
     p.add_argument("--output-prefix", required=True)
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenise, one shard each")
+    p.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="keys (Parquet: columns) to tokenise, one shard each"
+    )
     p.add_argument(
         "--tokenizer",
         "--tokenizer-model",

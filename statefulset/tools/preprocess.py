@@ -1,9 +1,10 @@
-"""JSON lines → ``<prefix>_<key>_document.{bin,idx}``, as Megatron's preprocess_data.py names them.
+"""JSON lines or Parquet → ``<prefix>_<key>_document.{bin,idx}``, as Megatron's preprocess_data.py names them.
 
-The reader cuts the input into chunks of about ``chunk_bytes``; workers parse and tokenise a
-whole chunk in one batch and return compact arrays; the main process writes them in input
-order with the vectorised writer. At most a few chunks are in flight, so memory stays flat
-however large the input.
+The reader cuts the input into chunks of about ``chunk_bytes`` (a Parquet file into its row
+groups); workers parse and tokenise a whole chunk in one batch and return compact arrays; the
+main process writes them in input order with the vectorised writer. At most a few chunks are in
+flight, so memory stays flat however large the input. A Parquet row's ``json_keys`` columns are
+read as a JSON line's keys are, so the same texts give the same bytes either way.
 
 Document semantics follow preprocess_data.py: a string value is one sequence, a list of
 strings is one sequence per element; empty sequences are dropped; ``append_eod`` adds the
@@ -37,12 +38,14 @@ from statefulset.tools.progress import Progress
 @dataclass(frozen=True)
 class _Chunk:
     """A run of whole lines: given as ``lines`` (decompressed input), or as a byte range of a
-    plain file that the worker reads itself, so the main process never touches the data."""
+    plain file that the worker reads itself, so the main process never touches the data; or
+    row group ``offset`` of a Parquet file (``parquet``)."""
 
     path: str
     nbytes: int
     offset: int = 0
     lines: list[bytes] | None = None
+    parquet: bool = False
 
 
 @dataclass
@@ -118,10 +121,51 @@ def _is_gzip(path: str) -> bool:
         return path.endswith(".gz") or f.read(2) == b"\x1f\x8b"
 
 
-def _chunks(paths: list[str], chunk_bytes: int) -> Iterator[_Chunk]:
+def is_parquet(path: str) -> bool:
+    """A Parquet file: by its name, or by its magic bytes (``PAR1``)."""
+    if path.endswith(".parquet"):
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == b"PAR1"
+
+
+def _parquet_module():
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise StatefulsetError(
+            "reading Parquet needs pyarrow: pip install 'statefulset[parquet]' (or pyarrow)"
+        ) from None
+    return parquet
+
+
+def _parquet_chunks(path: str, keys: tuple[str, ...]) -> Iterator[_Chunk]:
+    """One chunk per row group (Parquet's unit of reading); the columns checked once, here."""
+    parquet = _parquet_module()
+    try:
+        opened = parquet.ParquetFile(path)
+        meta = opened.metadata
+    except Exception as exc:  # pyarrow's own errors for a damaged footer
+        raise StatefulsetError(f"{path}: not a readable Parquet file: {exc}") from exc
+    columns = set(opened.schema_arrow.names)  # top-level columns (a list column's leaf is "element")
+    missing = [k for k in keys if k not in columns]
+    if missing:
+        raise StatefulsetError(
+            f"{path}: no column {', '.join(map(repr, missing))} (its columns: {', '.join(sorted(columns))}); "
+            "--json-keys names the columns to tokenise"
+        )
+    for group in range(meta.num_row_groups):
+        rg = meta.row_group(group)
+        size = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+        yield _Chunk(path, size, offset=group, parquet=True)
+
+
+def _chunks(paths: list[str], chunk_bytes: int, keys: tuple[str, ...] = ("text",)) -> Iterator[_Chunk]:
     for path in paths:
         try:
-            if _is_gzip(path):
+            if is_parquet(path):
+                yield from _parquet_chunks(path, keys)
+            elif _is_gzip(path):
                 yield from _gzip_chunks(path, chunk_bytes)
             else:
                 yield from _plain_chunks(path, chunk_bytes)
@@ -170,6 +214,16 @@ def _init_worker(
     _WORKER.update(tokenizer=spec.build(), keys=keys, append_eod=append_eod, dtype=dtype)
 
 
+def _rows(chunk: _Chunk, keys: tuple[str, ...]) -> list[object]:
+    """A row group's ``keys`` columns as one dict per row (what a JSON line parses into)."""
+    parquet = _parquet_module()
+    try:
+        table = parquet.ParquetFile(chunk.path).read_row_group(chunk.offset, columns=list(keys))
+    except Exception as exc:
+        raise StatefulsetError(f"{chunk.path}: cannot read row group {chunk.offset}: {exc}") from exc
+    return table.to_pylist()
+
+
 def _lines(chunk: _Chunk) -> list[bytes]:
     if chunk.lines is not None:
         return chunk.lines
@@ -205,7 +259,8 @@ def _texts_of(obj: object, keys: tuple[str, ...]) -> dict[str, list[str]] | str:
         elif isinstance(value, list) and all(isinstance(v, str) for v in value):
             out[key] = value
         else:
-            return f"key {key!r} must be a string or a list of strings, got {type(value).__name__}"
+            kind = "null" if value is None else type(value).__name__
+            return f"key {key!r} must be a string or a list of strings, got {kind}"
     return out
 
 
@@ -229,15 +284,18 @@ def _encode(chunk: _Chunk) -> _Encoded:
     owners: dict[str, list[int]] = {k: [] for k in keys}
     bad: list[tuple[int, str]] = []
     blank = documents = 0
-    lines = _lines(chunk)
+    lines: list = _rows(chunk, keys) if chunk.parquet else _lines(chunk)
     for number, raw in enumerate(lines):
-        if not raw.strip():
+        if chunk.parquet:
+            parsed = _texts_of(raw, keys)
+        elif not raw.strip():
             blank += 1
             continue
-        try:
-            parsed = _texts_of(json.loads(raw), keys)
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-            parsed = f"invalid JSON: {exc}"
+        else:
+            try:
+                parsed = _texts_of(json.loads(raw), keys)
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+                parsed = f"invalid JSON: {exc}"
         if isinstance(parsed, str):
             bad.append((number, parsed))
             continue
@@ -325,18 +383,20 @@ def preprocess(
     init_args = (spec, keys, append_eod, out_dtype, workers > 1)
     line_of: dict[str, int] = {}  # lines seen so far in each input, for file:line messages
     try:
-        for chunk, encoded in _results(_chunks(paths, chunk_bytes), workers, init_args):
+        for chunk, encoded in _results(_chunks(paths, chunk_bytes, keys), workers, init_args):
             first_line = line_of.get(chunk.path, 0) + 1
             line_of[chunk.path] = first_line - 1 + encoded.lines
             if encoded.bad:
+                # A line number of a JSON lines file; a row number of a Parquet file (1-based, whole file).
+                unit = "row " if chunk.parquet else ""
                 if not skip_bad_lines:
                     line, reason = encoded.bad[0]
                     raise StatefulsetError(
-                        f"{chunk.path}:{first_line + line}: {reason} (use --skip-bad-lines to skip such lines)"
+                        f"{chunk.path}:{unit}{first_line + line}: {reason} (use --skip-bad-lines to skip such lines)"
                     )
                 result.bad_lines += len(encoded.bad)
                 room = 3 - len(result.first_bad)
-                result.first_bad += [f"{chunk.path}:{first_line + n}: {r}" for n, r in encoded.bad[:room]]
+                result.first_bad += [f"{chunk.path}:{unit}{first_line + n}: {r}" for n, r in encoded.bad[:room]]
             result.blank_lines += encoded.blank
             tokens = 0
             for key, arrays in encoded.keys.items():
