@@ -89,3 +89,43 @@ def test_missing_columns_and_damaged_files_are_refused(tmp_path):
     (tmp_path / "broken.parquet").write_bytes(b"PAR1" + b"\0" * 64)
     with pytest.raises(StatefulsetError, match=r"broken.parquet: not a readable Parquet file"):
         preprocess([str(tmp_path / "broken.parquet")], str(tmp_path / "out"), show_progress=False)
+
+
+def test_killed_workers_end_the_run_with_an_error_not_a_hang(tmp_path):
+    """SIGKILL the tokeniser workers mid-run (as the OOM killer would): the run stops within seconds with an
+    error naming a chunk and saying what happened, and writes no output. (ProcessPoolExecutor hung here.)"""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    with open(tmp_path / "big.jsonl", "w") as f:
+        line = json.dumps({"text": "x" * 2000}) + "\n"
+        f.writelines(line for _ in range(20_000))
+    run = subprocess.Popen(
+        [sys.executable, "-m", "statefulset", "preprocess", "--input", str(tmp_path / "big.jsonl"),
+         "--output-prefix", str(tmp_path / "out"), "--workers", "2", "--chunk-bytes", "4096", "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    children: list[str] = []
+    deadline = time.monotonic() + 120
+    while len(children) < 2 and time.monotonic() < deadline and run.poll() is None:
+        found = subprocess.run(["ps", "-o", "pid=", "--ppid", str(run.pid)], capture_output=True, text=True)
+        children = found.stdout.split()
+        time.sleep(0.02)
+    if run.poll() is not None:
+        pytest.skip("the run ended before its workers could be killed")
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(child), signal.SIGKILL)
+    try:
+        _, err = run.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        pytest.fail("preprocess hung after its workers were killed")
+    assert run.returncode != 0
+    assert "big.jsonl (bytes " in err and "a worker process killed by SIGKILL" in err, err
+    assert "nothing was written" in err
+    assert not (tmp_path / "out_text_document.bin").exists() and not (tmp_path / "out_text_document.idx").exists()

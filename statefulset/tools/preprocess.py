@@ -16,13 +16,9 @@ from __future__ import annotations
 import glob
 import gzip
 import json
-import multiprocessing
 import os
 import zlib
-from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy
@@ -33,6 +29,7 @@ from statefulset.shards.names import natural_key
 from statefulset.shards.tokenizers import TokenizerSpec
 from statefulset.shards.writer import IndexedDatasetWriter
 from statefulset.tools.progress import Progress
+from statefulset.tools.worker_pool import WorkerDied, ordered_map
 
 
 @dataclass(frozen=True)
@@ -321,29 +318,24 @@ def _results(chunks: Iterator[_Chunk], workers: int, init_args: tuple) -> Iterat
         for chunk in chunks:
             yield chunk, _encode(chunk)
         return
-    # fork starts workers in milliseconds; elsewhere fall back to the platform's default.
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
-    # Not multiprocessing.Pool: when one of its workers is killed (OOM killer, SIGKILL) it starts
-    # another and the lost chunk's result never comes, so preprocess would wait forever.
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context(method), _init_worker, init_args)
-    pending: deque[tuple[_Chunk, Future]] = deque()
+    # Our own pool (statefulset.tools.worker_pool): ProcessPoolExecutor was measured to hang when
+    # its workers are killed, multiprocessing.Pool to lose the killed worker's chunk for good.
     try:
-        for chunk in chunks:
-            pending.append((chunk, pool.submit(_encode, chunk)))
-            if len(pending) >= 2 * workers + 2:
-                done, future = pending.popleft()
-                yield done, future.result()
-        while pending:
-            done, future = pending.popleft()
-            yield done, future.result()
-    except BrokenProcessPool:
-        where = f"{pending[0][0].path}: " if pending else ""
+        yield from ordered_map(
+            _encode, chunks, workers=workers, initializer=_init_worker, initargs=init_args,
+            describe=_describe_chunk,
+        )  # fmt: skip
+    except WorkerDied as exc:
         raise StatefulsetError(
-            f"{where}a tokeniser worker process died (killed by a signal? out of memory?); nothing was "
-            "written; run again (with fewer --workers if memory ran out)"
+            f"{exc}; a tokeniser worker process died, so nothing was written; run again (with fewer --workers "
+            "if memory ran out)"
         ) from None
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _describe_chunk(chunk: _Chunk) -> str:
+    if chunk.parquet:
+        return f"{chunk.path} (row group {chunk.offset})"
+    return f"{chunk.path} (bytes {chunk.offset}..{chunk.offset + chunk.nbytes})" if chunk.lines is None else chunk.path
 
 
 def preprocess(
