@@ -16,6 +16,24 @@ def _preprocess(args: argparse.Namespace) -> int:
     from statefulset.tools.preprocess import preprocess
 
     spec = TokenizerSpec(args.tokenizer or BYTES, args.eod_token, not args.no_special_tokens)
+    if args.executor == "ray":
+        from statefulset.tools.part_tasks import preprocess_ray
+
+        result = preprocess_ray(
+            args.input,
+            args.output_prefix,
+            json_keys=args.json_keys,
+            tokenizer=spec,
+            append_eod=args.append_eod,
+            skip_bad_lines=args.skip_bad_lines,
+            dtype=args.dtype,
+            chunk_bytes=args.chunk_bytes,
+            task_bytes=args.task_bytes,
+            ray_address=args.ray_address,
+            show_progress=not args.quiet,
+        )
+        print(result.summary())
+        return 0
     result = preprocess(
         args.input,
         args.output_prefix,
@@ -166,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad-lines", action="store_true", help="count and report malformed lines, go on")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--executor",
+        choices=("local", "ray"),
+        default="local",
+        help="local: --workers processes here; ray: Ray tasks that commit parts, merged in order, resumable",
+    )
+    p.add_argument("--ray-address", default=None, help="a Ray cluster to run on (default: start a local one)")
+    p.add_argument("--task-bytes", type=int, default=64 << 20, help="input bytes per Ray task (--executor ray)")
     p.set_defaults(run=_preprocess)
 
     p = sub.add_parser("merge", help="concatenate shards (folders in natural order: part_2 before part_10)")

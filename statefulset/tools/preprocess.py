@@ -43,6 +43,7 @@ class _Chunk:
     offset: int = 0
     lines: list[bytes] | None = None
     parquet: bool = False
+    gzip: bool = False  # a whole gzip file, decompressed by the worker (a task of --executor ray)
 
 
 @dataclass
@@ -76,6 +77,7 @@ class PreprocessResult:
     seconds: float = 0.0
     eod: int | None = None  # the end-of-document token appended to each document, None when not asked
     eod_text: str | None = None  # its string in the vocabulary (None for the byte tokenizer's 256)
+    skipped_tasks: int = 0  # --executor ray: committed parts of an earlier run that were kept
 
     def summary(self) -> str:
         total = sum(self.tokens.values())
@@ -94,6 +96,8 @@ class PreprocessResult:
             lines.append(f"  skipped {self.bad_lines} bad lines, first: " + "; ".join(self.first_bad))
         if self.blank_lines:
             lines.append(f"  ignored {self.blank_lines} blank lines")
+        if self.skipped_tasks:
+            lines.append(f"  resumed: kept {self.skipped_tasks} tasks committed by an earlier run")
         return "\n".join(lines)
 
 
@@ -157,11 +161,15 @@ def _parquet_chunks(path: str, keys: tuple[str, ...]) -> Iterator[_Chunk]:
         yield _Chunk(path, size, offset=group, parquet=True)
 
 
-def _chunks(paths: list[str], chunk_bytes: int, keys: tuple[str, ...] = ("text",)) -> Iterator[_Chunk]:
+def _chunks(
+    paths: list[str], chunk_bytes: int, keys: tuple[str, ...] = ("text",), whole_gzip: bool = False
+) -> Iterator[_Chunk]:
     for path in paths:
         try:
             if is_parquet(path):
                 yield from _parquet_chunks(path, keys)
+            elif _is_gzip(path) and whole_gzip:
+                yield _Chunk(path, os.path.getsize(path), gzip=True)
             elif _is_gzip(path):
                 yield from _gzip_chunks(path, chunk_bytes)
             else:
@@ -224,6 +232,12 @@ def _rows(chunk: _Chunk, keys: tuple[str, ...]) -> list[object]:
 def _lines(chunk: _Chunk) -> list[bytes]:
     if chunk.lines is not None:
         return chunk.lines
+    if chunk.gzip:
+        try:
+            with gzip.open(chunk.path, "rb") as f:
+                return f.read().splitlines()
+        except (OSError, EOFError, zlib.error) as exc:
+            raise StatefulsetError(f"{chunk.path}: cannot decompress: {exc}") from exc
     with open(chunk.path, "rb") as f:
         f.seek(chunk.offset)
         data = f.read(chunk.nbytes)
