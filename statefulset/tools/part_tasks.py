@@ -196,7 +196,8 @@ def preprocess_ray(
                  "chunk_bytes": chunk_bytes, "task_bytes": task_bytes}  # fmt: skip
     _check_manifest(parts, _manifest(paths, arguments))
     tasks = plan(paths, keys, chunk_bytes, task_bytes)
-    run = run_with_ray(tasks, parts, (spec, keys, append_eod, out_dtype, False), ray_address, show_progress)
+    # Each Ray task holds one CPU: the Rust tokenizer must not add threads of its own (as with --workers).
+    run = run_with_ray(tasks, parts, (spec, keys, append_eod, out_dtype, True), ray_address, show_progress)
     result = local.PreprocessResult(outputs={k: f"{output_prefix}_{k}_document" for k in keys})
     if append_eod:
         result.eod, result.eod_text = probe.eod, probe.token_text(probe.eod)
