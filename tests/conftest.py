@@ -24,6 +24,20 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(_CACHE_HOME, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def single_process_group(tmp_path_factory):
+    """A one-rank gloo group for the module: megatron-core's BlendedDataset asks for the rank even without one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def random_documents(rng: numpy.random.Generator, dtype: numpy.dtype, n: int = 50, max_len: int = 40):
     """Documents as lists of sequences, with empty sequences and multi-sequence documents."""
     docs = []

@@ -28,22 +28,11 @@ builder_module = pytest.importorskip("megatron.core.datasets.blended_megatron_da
 gpt_module = pytest.importorskip("megatron.core.datasets.gpt_dataset")
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+    pytest.mark.usefixtures("single_process_group"),  # conftest: megatron-core's BlendedDataset needs it
+]
 STRIDE = 1000  # token = document * STRIDE + offset: a token says where it comes from
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_process_group(tmp_path_factory):
-    """megatron-core's BlendedDataset asks for the rank even without a process group."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ blended_module = pytest.importorskip("megatron.core.datasets.blended_dataset")
 from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer  # noqa: E402
 
 PREFIXES = 5
+pytestmark = pytest.mark.usefixtures("single_process_group")  # conftest: megatron-core's BlendedDataset needs it
 
 
 @pytest.fixture(scope="module")
@@ -76,20 +77,6 @@ def assert_same_stream(spec, split, theirs):
     picks = numpy.random.default_rng(1).integers(0, len(ours), 17)
     numpy.testing.assert_array_equal(ours.gather(picks), expected[picks])
     numpy.testing.assert_array_equal(ours[int(picks[0])]["text"], expected[picks[0]])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_process_group(tmp_path_factory):
-    """megatron-core 0.16.1's BlendedDataset asks for the rank even without a process group."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def random_config(case: int, corpus):

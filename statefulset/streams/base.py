@@ -16,6 +16,7 @@ from typing import Any
 import numpy
 
 from statefulset.errors import SequenceIndexError, StatefulsetError
+from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.documents import Pieces, merge_pieces
@@ -136,6 +137,39 @@ def _fill_by_source(
         if want:
             parts.append((rows, pieces))
     return merge_pieces(out.shape[0], parts) if want else None
+
+
+class BlendedStream(SampleStream):
+    """Sources whose local samples cover every ``p >= 0`` (each with ``windows`` samples per epoch and a
+    filler), blended position by position by the native blend tree: packing native and bestfit."""
+
+    def __init__(self, spec, split, identity, sources: list[Any], fillers: list[Any], weights: list[float]):
+        super().__init__(spec, split, identity, sum(s.windows for s in sources), unbounded=True)
+        self.sources = sources
+        self.weights = weights
+        self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
+        self._fillers = fillers
+
+    def source_positions(self, position: int) -> dict[str, int]:
+        """For each source prefix: how many of its samples the positions ``[0, position)`` drew."""
+        p = int(position)
+        if p < 0:
+            raise ValueError(f"source_positions: position must be non-negative, got {p}")
+        counts = [p] if self.schedule is None else self.schedule.counts(p)
+        return {s.dataset.path_prefix: int(c) for s, c in zip(self.sources, counts, strict=True)}
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples in one epoch of the spec's only source (epoch e is positions [e*n, (e+1)*n))."""
+        if len(self.sources) != 1:
+            raise StatefulsetError("samples_per_epoch: a blend's sources have epochs of their own")
+        return self.sources[0].windows
+
+    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
+        if self.schedule is None:
+            return self._fillers[0].fill(positions, out, want)
+        which, local = self.schedule.locate(positions)
+        return _fill_by_source(which, local, out, self._fillers, want)
 
 
 @dataclass(frozen=True)

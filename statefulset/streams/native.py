@@ -10,14 +10,12 @@ from typing import Any
 
 import numpy
 
-from statefulset.errors import StatefulsetError
 from statefulset.index import compiled
-from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.keys import derive_key
 from statefulset.index.native.windows import WindowSource
 from statefulset.spec.model import DatasetSpec
 from statefulset.spec.splits import SPLITS
-from statefulset.streams.base import OpenedSources, SampleStream, _fill_by_source
+from statefulset.streams.base import BlendedStream, OpenedSources
 from statefulset.streams.documents import Pieces, within_rows
 
 
@@ -72,36 +70,11 @@ class _WindowFiller:
         return Pieces(counts, lengths[keep], numpy.full(rows, width, dtype=numpy.int64))
 
 
-class NativeStream(SampleStream):
+class NativeStream(BlendedStream):
     """Keyed windows of each source, blended position by position; nothing is built or stored."""
 
     def __init__(self, spec, split, identity, sources: list[WindowSource], weights: list[float]):
-        super().__init__(spec, split, identity, sum(s.windows for s in sources), unbounded=True)
-        self.sources = sources
-        self.weights = weights
-        self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
-        self._fillers = [_WindowFiller(s) for s in sources]
-
-    def source_positions(self, position: int) -> dict[str, int]:
-        """For each source prefix: how many of its samples the positions ``[0, position)`` drew."""
-        p = int(position)
-        if p < 0:
-            raise ValueError(f"source_positions: position must be non-negative, got {p}")
-        counts = [p] if self.schedule is None else self.schedule.counts(p)
-        return {s.dataset.path_prefix: int(c) for s, c in zip(self.sources, counts, strict=True)}
-
-    @property
-    def samples_per_epoch(self) -> int:
-        """Samples in one epoch of the spec's only source (epoch e is positions [e*n, (e+1)*n))."""
-        if len(self.sources) != 1:
-            raise StatefulsetError("samples_per_epoch: a blend's sources have epochs of their own")
-        return self.sources[0].windows
-
-    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
-        if self.schedule is None:
-            return self._fillers[0].fill(positions, out, want)
-        which, local = self.schedule.locate(positions)
-        return _fill_by_source(which, local, out, self._fillers, want)
+        super().__init__(spec, split, identity, sources, [_WindowFiller(s) for s in sources], weights)
 
 
 def open_native(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> NativeStream:

@@ -207,12 +207,16 @@ def _megatron(stream: Any, p: int) -> Provenance:
     )
 
 
-def _native(stream: Any, p: int) -> Provenance:
+def _source_of(stream: Any, p: int) -> tuple[int, int]:
+    """``(source, local sample)`` of position ``p`` in a blended (or staged) stream."""
     if stream.schedule is None:
-        which, local = 0, p
-    else:
-        w, q = stream.schedule.locate(numpy.array([p], dtype=numpy.int64))
-        which, local = int(w[0]), int(q[0])
+        return 0, p
+    w, q = stream.schedule.locate(numpy.array([p], dtype=numpy.int64))
+    return int(w[0]), int(q[0])
+
+
+def _native(stream: Any, p: int) -> Provenance:
+    which, local = _source_of(stream, p)
     source = stream.sources[which]
     dataset = source.dataset
     start = int(source.window_starts(numpy.array([local], dtype=numpy.int64))[0])
@@ -246,11 +250,7 @@ def _native(stream: Any, p: int) -> Provenance:
 
 
 def _bestfit(stream: Any, p: int) -> Provenance:
-    if stream.schedule is None:
-        which, local = 0, p
-    else:
-        w, q = stream.schedule.locate(numpy.array([p], dtype=numpy.int64))
-        which, local = int(w[0]), int(q[0])
+    which, local = _source_of(stream, p)
     source = stream.sources[which]
     b = int(source.bins_of(numpy.array([local], dtype=numpy.int64))[0])
     sequences, offsets, lengths = source.bin_items(b)

@@ -16,36 +16,23 @@ def _preprocess(args: argparse.Namespace) -> int:
     from statefulset.tools.preprocess import preprocess
 
     spec = TokenizerSpec(args.tokenizer or BYTES, args.eod_token, not args.no_special_tokens)
+    common = {
+        "json_keys": args.json_keys,
+        "tokenizer": spec,
+        "append_eod": args.append_eod,
+        "skip_bad_lines": args.skip_bad_lines,
+        "dtype": args.dtype,
+        "chunk_bytes": args.chunk_bytes,
+        "show_progress": not args.quiet,
+    }
     if args.executor == "ray":
         from statefulset.tools.part_tasks import preprocess_ray
 
         result = preprocess_ray(
-            args.input,
-            args.output_prefix,
-            json_keys=args.json_keys,
-            tokenizer=spec,
-            append_eod=args.append_eod,
-            skip_bad_lines=args.skip_bad_lines,
-            dtype=args.dtype,
-            chunk_bytes=args.chunk_bytes,
-            task_bytes=args.task_bytes,
-            ray_address=args.ray_address,
-            show_progress=not args.quiet,
+            args.input, args.output_prefix, task_bytes=args.task_bytes, ray_address=args.ray_address, **common
         )
-        print(result.summary())
-        return 0
-    result = preprocess(
-        args.input,
-        args.output_prefix,
-        json_keys=args.json_keys,
-        tokenizer=spec,
-        append_eod=args.append_eod,
-        workers=args.workers,
-        skip_bad_lines=args.skip_bad_lines,
-        dtype=args.dtype,
-        chunk_bytes=args.chunk_bytes,
-        show_progress=not args.quiet,
-    )
+    else:
+        result = preprocess(args.input, args.output_prefix, workers=args.workers, **common)
     print(result.summary())
     return 0
 

@@ -180,17 +180,12 @@ def preprocess_ray(
     show_progress: bool = True,
 ) -> local.PreprocessResult:
     """``statefulset preprocess --executor ray``: see the module docstring."""
-    from statefulset.shards import idx_format
-    from statefulset.shards.tokenizers import TokenizerSpec
-
+    if task_bytes < 1:
+        raise StatefulsetError(f"--task-bytes must be positive, got {task_bytes}")
     began = time.perf_counter()
-    spec = tokenizer or TokenizerSpec()
-    paths = local.expand_inputs(inputs)
-    probe = spec.build()
-    if append_eod and probe.eod is None:
-        raise StatefulsetError(f"{spec.name}: no end-of-document token found; pass --eod-token")
-    out_dtype = idx_format.token_dtype(dtype) if dtype is not None else idx_format.optimal_dtype(probe.vocab_size)
-    keys = tuple(json_keys)
+    spec, paths, keys, out_dtype, result = local.setup(
+        inputs, output_prefix, json_keys, tokenizer, append_eod, dtype, chunk_bytes
+    )
     parts = output_prefix + ".parts"
     arguments = {"keys": list(keys), "tokenizer": repr(spec), "append_eod": append_eod, "dtype": str(out_dtype),
                  "chunk_bytes": chunk_bytes, "task_bytes": task_bytes}  # fmt: skip
@@ -198,9 +193,6 @@ def preprocess_ray(
     tasks = plan(paths, keys, chunk_bytes, task_bytes)
     # Each Ray task holds one CPU: the Rust tokenizer must not add threads of its own (as with --workers).
     run = run_with_ray(tasks, parts, (spec, keys, append_eod, out_dtype, True), ray_address, show_progress)
-    result = local.PreprocessResult(outputs={k: f"{output_prefix}_{k}_document" for k in keys})
-    if append_eod:
-        result.eod, result.eod_text = probe.eod, probe.token_text(probe.eod)
     line_of: dict[str, int] = {}
     for task in tasks:
         with open(os.path.join(parts, f"part-{task.number:06d}.done")) as f:
@@ -213,16 +205,8 @@ def preprocess_ray(
             line_of[unit["path"]] = first - 1 + unit["lines"]
             result.blank_lines += unit["blank"]
             result.input_bytes += unit["bytes"]
-            where = "row " if unit["parquet"] else ""
-            for line, reason in unit["bad"]:
-                if not skip_bad_lines:
-                    raise StatefulsetError(
-                        f"{unit['path']}:{where}{first + line}: {reason} (use --skip-bad-lines to skip such lines; "
-                        f"the committed parts in {parts} are kept for that rerun)"
-                    )
-                result.bad_lines += 1
-                if len(result.first_bad) < 3:
-                    result.first_bad.append(f"{unit['path']}:{where}{first + line}: {reason}")
+            hint = f"; the committed parts in {parts} are kept for that rerun"
+            local.count_bad_lines(result, unit["path"], unit["parquet"], first, unit["bad"], skip_bad_lines, hint)
     for key in keys:
         merge_datasets([os.path.join(parts, f"part-{t.number:06d}_{key}_document") for t in tasks],
                        result.outputs[key])  # fmt: skip

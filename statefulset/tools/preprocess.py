@@ -352,22 +352,16 @@ def _describe_chunk(chunk: _Chunk) -> str:
     return f"{chunk.path} (bytes {chunk.offset}..{chunk.offset + chunk.nbytes})" if chunk.lines is None else chunk.path
 
 
-def preprocess(
+def setup(
     inputs: Sequence[str],
     output_prefix: str,
-    *,
-    json_keys: Sequence[str] = ("text",),
-    tokenizer: TokenizerSpec | None = None,
-    append_eod: bool = False,
-    workers: int = 1,
-    skip_bad_lines: bool = False,
-    dtype: object = None,
-    chunk_bytes: int = 1 << 20,
-    show_progress: bool = True,
-) -> PreprocessResult:
-    """Tokenise JSON lines into one bin/idx pair per key; see the module docstring."""
-    if workers < 1:
-        raise StatefulsetError(f"--workers must be at least 1, got {workers}")
+    json_keys: Sequence[str],
+    tokenizer: TokenizerSpec | None,
+    append_eod: bool,
+    dtype: object,
+    chunk_bytes: int,
+) -> tuple[TokenizerSpec, list[str], tuple[str, ...], numpy.dtype, PreprocessResult]:
+    """The checked arguments of a run (any executor): tokenizer, input files, keys, token dtype, an empty result."""
     if not json_keys:
         raise StatefulsetError("--json-keys needs at least one key")
     if len(set(json_keys)) != len(json_keys):
@@ -384,6 +378,51 @@ def preprocess(
     result = PreprocessResult(outputs={k: f"{output_prefix}_{k}_document" for k in keys})
     if append_eod:
         result.eod, result.eod_text = probe.eod, probe.token_text(probe.eod)
+    return spec, paths, keys, out_dtype, result
+
+
+def count_bad_lines(
+    result: PreprocessResult,
+    path: str,
+    parquet: bool,
+    first_line: int,
+    bad: list[tuple[int, str]],
+    skip_bad_lines: bool,
+    hint: str = "",
+) -> None:
+    """Stop at a unit's first bad line (``file:line``, ``file:row N`` for Parquet), or count them when skipping."""
+    if not bad:
+        return
+    unit = "row " if parquet else ""  # a line of a JSON lines file; a row of a Parquet file (1-based, whole file)
+    if not skip_bad_lines:
+        line, reason = bad[0]
+        raise StatefulsetError(
+            f"{path}:{unit}{first_line + line}: {reason} (use --skip-bad-lines to skip such lines{hint})"
+        )
+    result.bad_lines += len(bad)
+    room = 3 - len(result.first_bad)
+    result.first_bad += [f"{path}:{unit}{first_line + n}: {r}" for n, r in bad[:room]]
+
+
+def preprocess(
+    inputs: Sequence[str],
+    output_prefix: str,
+    *,
+    json_keys: Sequence[str] = ("text",),
+    tokenizer: TokenizerSpec | None = None,
+    append_eod: bool = False,
+    workers: int = 1,
+    skip_bad_lines: bool = False,
+    dtype: object = None,
+    chunk_bytes: int = 1 << 20,
+    show_progress: bool = True,
+) -> PreprocessResult:
+    """Tokenise JSON lines into one bin/idx pair per key; see the module docstring."""
+    if workers < 1:
+        raise StatefulsetError(f"--workers must be at least 1, got {workers}")
+    spec, paths, keys, out_dtype, result = setup(
+        inputs, output_prefix, json_keys, tokenizer, append_eod, dtype, chunk_bytes
+    )
     writers = {k: IndexedDatasetWriter(p, out_dtype) for k, p in result.outputs.items()}
     progress = Progress("preprocess", sum(os.path.getsize(p) for p in paths), enabled=show_progress)
     init_args = (spec, keys, append_eod, out_dtype, workers > 1)
@@ -392,17 +431,7 @@ def preprocess(
         for chunk, encoded in _results(_chunks(paths, chunk_bytes, keys), workers, init_args):
             first_line = line_of.get(chunk.path, 0) + 1
             line_of[chunk.path] = first_line - 1 + encoded.lines
-            if encoded.bad:
-                # A line number of a JSON lines file; a row number of a Parquet file (1-based, whole file).
-                unit = "row " if chunk.parquet else ""
-                if not skip_bad_lines:
-                    line, reason = encoded.bad[0]
-                    raise StatefulsetError(
-                        f"{chunk.path}:{unit}{first_line + line}: {reason} (use --skip-bad-lines to skip such lines)"
-                    )
-                result.bad_lines += len(encoded.bad)
-                room = 3 - len(result.first_bad)
-                result.first_bad += [f"{chunk.path}:{unit}{first_line + n}: {r}" for n, r in encoded.bad[:room]]
+            count_bad_lines(result, chunk.path, chunk.parquet, first_line, encoded.bad, skip_bad_lines)
             result.blank_lines += encoded.blank
             tokens = 0
             for key, arrays in encoded.keys.items():
