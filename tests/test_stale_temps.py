@@ -222,3 +222,33 @@ def test_a_killed_tokeniser_worker_fails_the_run_instead_of_hanging(tmp_path, ki
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_stuck_tokeniser_worker_stops_the_run_after_the_task_timeout(tmp_path):
+    """Alive but making no progress (here: stopped with SIGSTOP, as a hung network read would be): the run
+    stops after STATEFULSET_TASK_TIMEOUT naming the units held, and leaves nothing behind."""
+    big = tmp_path / "big.jsonl"
+    write_jsonl(big, 60_000)
+    out = tmp_path / "out"
+    env = {**os.environ, "STATEFULSET_TASK_TIMEOUT": "2"}
+    proc = subprocess.Popen(
+        preprocess_cmd(big, out / "x", 2), stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
+    )
+    try:
+        wait_for(lambda: len(children(proc.pid)) >= 2, "the tokeniser workers")
+        for worker in children(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGSTOP)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("preprocess waited beyond STATEFULSET_TASK_TIMEOUT for stopped workers")
+        stderr = proc.stderr.read()
+        assert code == 2, stderr
+        assert "no worker finished a unit in 2 s (STATEFULSET_TASK_TIMEOUT)" in stderr, stderr
+        assert "big.jsonl (bytes " in stderr and "Traceback" not in stderr
+        assert sorted(os.listdir(out)) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

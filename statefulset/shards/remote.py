@@ -91,7 +91,7 @@ def coalesce(offsets: list[int], sizes: list[int], gap: int = MERGE_GAP) -> tupl
     return requests, which
 
 
-def _version(info: dict[str, Any]) -> str:
+def object_version(info: dict[str, Any]) -> str:
     """The object's version as the store reports it (ETag and size): what a local copy is keyed by."""
     for key in ("ETag", "etag", "md5", "checksum", "mtime", "LastModified", "created"):
         if info.get(key):
@@ -117,7 +117,7 @@ class RemoteFile:
         if info.get("type", "file") != "file":
             raise StatefulsetError(f"{url}: not an object (a folder or prefix)")
         self.size = int(info["size"])
-        self.ukey = _version(info)
+        self.ukey = object_version(info)
 
     def _filesystem(self) -> tuple[Any, str]:
         if self._pid != os.getpid():

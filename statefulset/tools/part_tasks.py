@@ -15,17 +15,22 @@ refused, naming what differs, so parts of two runs never mix.
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from statefulset.errors import StatefulsetError
-from statefulset.shards.merge import merge_datasets
 from statefulset.shards.writer import IndexedDatasetWriter
+from statefulset.tools import locations
 from statefulset.tools import preprocess as local
+from statefulset.tools.locations import Folder, StagedOutput
+from statefulset.tools.progress import Progress
+from statefulset.tools.worker_pool import no_news_limit
+
+logger = logging.getLogger("statefulset")
+LOG_EVERY_S = 60.0
 
 MANIFEST_VERSION = 1
 
@@ -56,17 +61,26 @@ def plan(paths: list[str], keys: tuple[str, ...], chunk_bytes: int, task_bytes: 
     return tasks
 
 
-def run_task(task: Task, parts: str, init_args: tuple) -> dict[str, Any]:
+def _units(task: Task, chunk_bytes: int) -> Iterator[Any]:
+    """The task's units; a gzip file streamed in pieces of about ``chunk_bytes``, so memory stays bounded."""
+    for chunk in task.chunks:
+        if chunk.gzip:
+            yield from local._gzip_chunks(chunk.path, chunk_bytes)
+        else:
+            yield chunk
+
+
+def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) -> dict[str, Any]:
     """Tokenise one task into its committed part; returns (and leaves) its summary."""
     if not local._WORKER:
         local._init_worker(*init_args)
     keys, dtype = init_args[1], init_args[3]
-    writers = {
-        k: IndexedDatasetWriter(os.path.join(parts, f"part-{task.number:06d}_{k}_document"), dtype) for k in keys
-    }
-    summary: dict[str, Any] = {"documents": 0, "tokens": dict.fromkeys(keys, 0), "units": []}
+    parts = Folder(parts_path)
+    staged = {k: StagedOutput(parts.join(f"part-{task.number:06d}_{k}_document")) for k in keys}
+    writers = {k: IndexedDatasetWriter(staged[k].local, dtype) for k in keys}
+    summary: dict[str, Any] = {"documents": 0, "tokens": dict.fromkeys(keys, 0), "units": [], "bytes": 0}
     try:
-        for chunk in task.chunks:
+        for chunk in _units(task, chunk_bytes):
             encoded = local._encode(chunk)
             for key, arrays in encoded.keys.items():
                 writers[key].add_documents(
@@ -84,85 +98,103 @@ def run_task(task: Task, parts: str, init_args: tuple) -> dict[str, Any]:
                     "bytes": chunk.nbytes,
                 }
             )
+            summary["bytes"] += chunk.nbytes
     except BaseException:
-        for writer in writers.values():
+        for key, writer in writers.items():
             writer.abort()
+            staged[key].discard()
         raise
-    for writer in writers.values():
+    for key, writer in writers.items():
         writer.close()
-    marker = os.path.join(parts, f"part-{task.number:06d}.done")
-    with open(marker + ".tmp", "w") as f:
-        json.dump(summary, f)
-    os.replace(marker + ".tmp", marker)  # the part is committed
+        staged[key].publish()
+    parts.write_text(f"part-{task.number:06d}.done", json.dumps(summary))  # the part is committed
     return summary
 
 
 def _manifest(paths: list[str], arguments: dict[str, Any]) -> dict[str, Any]:
-    inputs = []
-    for path in paths:
-        st = os.stat(path)
-        inputs.append([os.path.abspath(path), st.st_size, st.st_mtime_ns])
-    return {"version": MANIFEST_VERSION, "inputs": inputs, **arguments}
+    return {"version": MANIFEST_VERSION, "inputs": [locations.version(p) for p in paths], **arguments}
 
 
-def _check_manifest(parts: str, wanted: dict[str, Any]) -> int:
-    """Committed parts to keep: 0 for a new run; refuses a folder of another run, naming what differs."""
-    path = os.path.join(parts, "manifest.json")
-    if not os.path.exists(path):
-        os.makedirs(parts, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(wanted, f)
-        os.replace(path + ".tmp", path)
-        return 0
-    with open(path) as f:
-        found = json.load(f)
+def _check_manifest(parts: Folder, wanted: dict[str, Any]) -> None:
+    """Starts a new run's folder; refuses a folder of another run, naming what differs."""
+    if not parts.exists("manifest.json"):
+        parts.make()
+        parts.write_text("manifest.json", json.dumps(wanted))
+        return
+    found = json.loads(parts.read_text("manifest.json"))
     differs = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
     if differs:
         raise StatefulsetError(
-            f"{parts}: holds the parts of a run with other {', '.join(differs)}; never mixing the two, this run "
-            f"stops. Remove {parts} to start clean, or rerun with the same inputs and arguments to resume it"
+            f"{parts.path}: holds the parts of a run with other {', '.join(differs)}; never mixing the two, this "
+            f"run stops. Remove {parts.path} to start clean, or rerun with the same inputs and arguments to resume it"
         )
-    return sum(1 for n in os.listdir(parts) if n.endswith(".done"))
 
 
 @dataclass
 class RayRun:
     tasks: int
     skipped: int
-    retried: int = 0
 
 
-def run_with_ray(tasks: list[Task], parts: str, init_args: tuple, address: str | None, show_progress: bool) -> RayRun:
+def run_with_ray(
+    tasks: list[Task], parts: Folder, init_args: tuple, chunk_bytes: int, address: str | None, show_progress: bool
+) -> RayRun:
     try:
         import ray
     except ImportError:
         raise StatefulsetError("--executor ray needs ray: pip install 'statefulset[ray]'") from None
-    done = {int(n[5:11]) for n in os.listdir(parts) if n.endswith(".done")}
+    done = {int(n[5:11]) for n in parts.names() if n.startswith("part-") and n.endswith(".done")}
     todo = [t for t in tasks if t.number not in done]
+    total = sum(c.nbytes for t in todo for c in t.chunks)
+    progress = Progress("preprocess", total, enabled=show_progress)
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    pending: dict[Any, Task] = {}
     try:
         remote = ray.remote(max_retries=3, retry_exceptions=False)(run_task)  # a lost worker or node: retried
-        pending = {remote.remote(task, parts, init_args): task for task in todo}
-        finished = 0
+        pending = {remote.remote(task, parts.path, init_args, chunk_bytes): task for task in todo}
+        limit, last_news = no_news_limit(), time.monotonic()
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=600)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(LOG_EVERY_S, limit))
             if not ready:
                 waiting = ", ".join(t.describe() for t in list(pending.values())[:3])
-                raise StatefulsetError(f"--executor ray: no task finished in 600 s (waiting for {waiting})")
+                if time.monotonic() - last_news >= limit:
+                    raise StatefulsetError(
+                        f"--executor ray: no task finished in {limit:g} s (STATEFULSET_TASK_TIMEOUT); "
+                        f"waiting for {len(pending)} tasks: {waiting}"
+                    )
+                logger.info("statefulset: %d Ray tasks running or queued, e.g. %s", len(pending), waiting)
+                continue
             task = pending.pop(ready[0])
             try:
-                ray.get(ready[0])
+                summary = ray.get(ready[0])
             except ray.exceptions.RayError as exc:
                 raise StatefulsetError(f"{task.describe()}: failed on the Ray cluster: {exc}") from None
-            finished += 1
-            if show_progress:
-                print(f"preprocess: {finished + len(done)}/{len(tasks)} tasks committed", flush=True)
+            last_news = time.monotonic()
+            progress.note = f"{len(tasks) - len(pending)}/{len(tasks)} tasks"
+            progress.update(summary["documents"], sum(summary["tokens"].values()), summary["bytes"])
     finally:
+        progress.close()
+        for ref in pending:  # an error above: nothing of this run keeps running on the cluster
+            ray.cancel(ref, force=True)
         if started_here:
             ray.shutdown()
     return RayRun(len(tasks), len(done))
+
+
+def _merge_parts(parts: Folder, names: list[str], output: str, dtype: Any) -> None:
+    """The parts, in order, into ``output`` (what ``merge_datasets`` does, one part at a time when they are remote)."""
+    out = StagedOutput(output)
+    try:
+        with IndexedDatasetWriter(out.local, dtype) as writer:
+            for name in names:
+                with parts.local_shard(name) as prefix:
+                    writer.add_index(prefix)
+    except BaseException:
+        out.discard()
+        raise
+    out.publish()
 
 
 def preprocess_ray(
@@ -186,17 +218,17 @@ def preprocess_ray(
     spec, paths, keys, out_dtype, result = local.setup(
         inputs, output_prefix, json_keys, tokenizer, append_eod, dtype, chunk_bytes
     )
-    parts = output_prefix + ".parts"
+    parts = Folder(output_prefix + ".parts")
     arguments = {"keys": list(keys), "tokenizer": repr(spec), "append_eod": append_eod, "dtype": str(out_dtype),
                  "chunk_bytes": chunk_bytes, "task_bytes": task_bytes}  # fmt: skip
     _check_manifest(parts, _manifest(paths, arguments))
     tasks = plan(paths, keys, chunk_bytes, task_bytes)
     # Each Ray task holds one CPU: the Rust tokenizer must not add threads of its own (as with --workers).
-    run = run_with_ray(tasks, parts, (spec, keys, append_eod, out_dtype, True), ray_address, show_progress)
+    init_args = (spec, keys, append_eod, out_dtype, True)
+    run = run_with_ray(tasks, parts, init_args, chunk_bytes, ray_address, show_progress)
     line_of: dict[str, int] = {}
     for task in tasks:
-        with open(os.path.join(parts, f"part-{task.number:06d}.done")) as f:
-            summary = json.load(f)
+        summary = json.loads(parts.read_text(f"part-{task.number:06d}.done"))
         result.documents += summary["documents"]
         for key, count in summary["tokens"].items():
             result.tokens[key] = result.tokens.get(key, 0) + count
@@ -205,12 +237,11 @@ def preprocess_ray(
             line_of[unit["path"]] = first - 1 + unit["lines"]
             result.blank_lines += unit["blank"]
             result.input_bytes += unit["bytes"]
-            hint = f"; the committed parts in {parts} are kept for that rerun"
+            hint = f"; the committed parts in {parts.path} are kept for that rerun"
             local.count_bad_lines(result, unit["path"], unit["parquet"], first, unit["bad"], skip_bad_lines, hint)
     for key in keys:
-        merge_datasets([os.path.join(parts, f"part-{t.number:06d}_{key}_document") for t in tasks],
-                       result.outputs[key])  # fmt: skip
-    shutil.rmtree(parts, ignore_errors=True)
+        _merge_parts(parts, [f"part-{t.number:06d}_{key}_document" for t in tasks], result.outputs[key], out_dtype)
+    parts.remove()
     result.seconds = time.perf_counter() - began
     result.skipped_tasks = run.skipped
     return result

@@ -13,7 +13,6 @@ end-of-document token to each non-empty document (extending its last sequence).
 
 from __future__ import annotations
 
-import glob
 import gzip
 import json
 import os
@@ -25,9 +24,9 @@ import numpy
 
 from statefulset.errors import StatefulsetError
 from statefulset.shards import idx_format
-from statefulset.shards.names import natural_key
 from statefulset.shards.tokenizers import TokenizerSpec
 from statefulset.shards.writer import IndexedDatasetWriter
+from statefulset.tools import locations
 from statefulset.tools.progress import Progress
 from statefulset.tools.worker_pool import WorkerDied, ordered_map
 
@@ -43,7 +42,7 @@ class _Chunk:
     offset: int = 0
     lines: list[bytes] | None = None
     parquet: bool = False
-    gzip: bool = False  # a whole gzip file, decompressed by the worker (a task of --executor ray)
+    gzip: bool = False  # a whole gzip file (a unit of --executor ray): its task streams it in chunk_bytes pieces
 
 
 @dataclass
@@ -102,31 +101,22 @@ class PreprocessResult:
 
 
 def expand_inputs(inputs: Sequence[str]) -> list[str]:
-    """Files and glob patterns, each pattern's matches in natural order."""
-    paths: list[str] = []
-    for item in inputs:
-        if any(c in item for c in "*?["):
-            matches = sorted(glob.glob(item), key=natural_key)
-            if not matches:
-                raise StatefulsetError(f"{item}: the pattern matches no file")
-            paths += matches
-        elif os.path.isfile(item):
-            paths.append(item)
-        else:
-            raise StatefulsetError(f"{item}: no such input file")
-    return paths
+    """Files and glob patterns (local paths or fsspec URLs), each pattern's matches in natural order."""
+    return locations.expand(list(inputs))
 
 
 def _is_gzip(path: str) -> bool:
-    with open(path, "rb") as f:
-        return path.endswith(".gz") or f.read(2) == b"\x1f\x8b"
+    if path.endswith(".gz"):
+        return True
+    with locations.open_read(path) as f:
+        return f.read(2) == b"\x1f\x8b"
 
 
 def is_parquet(path: str) -> bool:
     """A Parquet file: by its name, or by its magic bytes (``PAR1``)."""
     if path.endswith(".parquet"):
         return True
-    with open(path, "rb") as f:
+    with locations.open_read(path) as f:
         return f.read(4) == b"PAR1"
 
 
@@ -143,12 +133,13 @@ def _parquet_module():
 def _parquet_chunks(path: str, keys: tuple[str, ...]) -> Iterator[_Chunk]:
     """One chunk per row group (Parquet's unit of reading); the columns checked once, here."""
     parquet = _parquet_module()
-    try:
-        opened = parquet.ParquetFile(path)
-        meta = opened.metadata
-    except Exception as exc:  # pyarrow's own errors for a damaged footer
-        raise StatefulsetError(f"{path}: not a readable Parquet file: {exc}") from exc
-    columns = set(opened.schema_arrow.names)  # top-level columns (a list column's leaf is "element")
+    with locations.open_read(path) as f:
+        try:
+            opened = parquet.ParquetFile(f)
+            meta, schema = opened.metadata, opened.schema_arrow
+        except Exception as exc:  # pyarrow's own errors for a damaged footer
+            raise StatefulsetError(f"{path}: not a readable Parquet file: {exc}") from exc
+    columns = set(schema.names)  # top-level columns (a list column's leaf is "element")
     missing = [k for k in keys if k not in columns]
     if missing:
         raise StatefulsetError(
@@ -169,7 +160,7 @@ def _chunks(
             if is_parquet(path):
                 yield from _parquet_chunks(path, keys)
             elif _is_gzip(path) and whole_gzip:
-                yield _Chunk(path, os.path.getsize(path), gzip=True)
+                yield _Chunk(path, locations.size(path), gzip=True)
             elif _is_gzip(path):
                 yield from _gzip_chunks(path, chunk_bytes)
             else:
@@ -180,8 +171,8 @@ def _chunks(
 
 def _plain_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
     """Byte ranges ending at line ends: one seek and one short readline per chunk."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = locations.size(path)
+    with locations.open_read(path) as f:
         start = 0
         while start < size:
             f.seek(min(start + chunk_bytes, size))
@@ -192,7 +183,8 @@ def _plain_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
 
 
 def _gzip_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
-    with open(path, "rb") as raw, gzip.GzipFile(fileobj=raw) as stream:
+    """Runs of decompressed lines of about ``chunk_bytes``: one gzip stream is read in order, never whole."""
+    with locations.open_read(path) as raw, gzip.GzipFile(fileobj=raw) as stream:
         position = 0
         while True:
             try:
@@ -223,7 +215,8 @@ def _rows(chunk: _Chunk, keys: tuple[str, ...]) -> list[object]:
     """A row group's ``keys`` columns as one dict per row (what a JSON line parses into)."""
     parquet = _parquet_module()
     try:
-        table = parquet.ParquetFile(chunk.path).read_row_group(chunk.offset, columns=list(keys))
+        with locations.open_read(chunk.path) as f:
+            table = parquet.ParquetFile(f).read_row_group(chunk.offset, columns=list(keys))
     except Exception as exc:
         raise StatefulsetError(f"{chunk.path}: cannot read row group {chunk.offset}: {exc}") from exc
     return table.to_pylist()
@@ -232,13 +225,7 @@ def _rows(chunk: _Chunk, keys: tuple[str, ...]) -> list[object]:
 def _lines(chunk: _Chunk) -> list[bytes]:
     if chunk.lines is not None:
         return chunk.lines
-    if chunk.gzip:
-        try:
-            with gzip.open(chunk.path, "rb") as f:
-                return f.read().splitlines()
-        except (OSError, EOFError, zlib.error) as exc:
-            raise StatefulsetError(f"{chunk.path}: cannot decompress: {exc}") from exc
-    with open(chunk.path, "rb") as f:
+    with locations.open_read(chunk.path) as f:
         f.seek(chunk.offset)
         data = f.read(chunk.nbytes)
     lines = data.split(b"\n")
@@ -423,8 +410,9 @@ def preprocess(
     spec, paths, keys, out_dtype, result = setup(
         inputs, output_prefix, json_keys, tokenizer, append_eod, dtype, chunk_bytes
     )
-    writers = {k: IndexedDatasetWriter(p, out_dtype) for k, p in result.outputs.items()}
-    progress = Progress("preprocess", sum(os.path.getsize(p) for p in paths), enabled=show_progress)
+    staged = {k: locations.StagedOutput(p) for k, p in result.outputs.items()}
+    writers = {k: IndexedDatasetWriter(staged[k].local, out_dtype) for k in keys}
+    progress = Progress("preprocess", sum(locations.size(p) for p in paths), enabled=show_progress)
     init_args = (spec, keys, append_eod, out_dtype, workers > 1)
     line_of: dict[str, int] = {}  # lines seen so far in each input, for file:line messages
     try:
@@ -445,13 +433,15 @@ def preprocess(
             result.documents += encoded.documents
             progress.update(encoded.documents, tokens, encoded.nbytes)
     except BaseException:
-        for writer in writers.values():
+        for key, writer in writers.items():
             writer.abort()
+            staged[key].discard()
         raise
     finally:
         progress.close()
-    for writer in writers.values():
+    for key, writer in writers.items():
         writer.close()
+        staged[key].publish()
     result.input_bytes = progress.bytes
     result.seconds = progress.seconds
     return result

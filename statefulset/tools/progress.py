@@ -25,6 +25,7 @@ class Progress:
         self.tokens = 0
         self.bytes = 0
         self.total_bytes = total_bytes
+        self.note = ""  # shown after the rates, e.g. "12/40 tasks" for --executor ray
         self._start = time.perf_counter()
         self._last_line = self._start
         self._bar: Any = None
@@ -59,7 +60,8 @@ class Progress:
             return
         if self._bar is not None:
             self._bar.update(nbytes)
-            self._bar.set_postfix_str(f"{self.documents:,} docs, {self.rates()}", refresh=False)
+            note = f", {self.note}" if self.note else ""
+            self._bar.set_postfix_str(f"{self.documents:,} docs, {self.rates()}{note}", refresh=False)
             return
         now = time.perf_counter()
         if now - self._last_line >= LINE_EVERY_S:
@@ -70,6 +72,7 @@ class Progress:
         done = f"{self.bytes / self.total_bytes:.0%} of input, " if self.total_bytes else ""
         print(
             f"{self._description}: {done}{self.documents:,} docs, {self.tokens:,} tokens, {self.rates()}"
+            + (f", {self.note}" if self.note else "")
             + (f", done in {self.seconds:.1f} s" if final else ""),
             file=self._stream,
             flush=True,

@@ -6,7 +6,10 @@ beside two zombies), and ``multiprocessing.Pool`` silently replaces a killed wor
 delivers the lost result. This pool gives each worker its own pipe, keeps at most ``depth``
 tasks per worker in flight, and waits on the pipes *and* the workers' sentinels together, so a
 worker that dies (OOM killer, SIGKILL) ends the run at once with an error naming the task it
-held; a wait without news logs what it waits for every ``STATEFULSET_POOL_LOG_SECONDS``.
+held; a wait without news logs what it waits for every ``STATEFULSET_POOL_LOG_SECONDS``, and
+one of ``STATEFULSET_TASK_TIMEOUT`` seconds (default an hour; a unit is ~1 MiB of input, seconds
+of work) stops the run naming the units still held: a worker alive but stuck (a hung read of a
+network filesystem, a deadlocked tokenizer) never makes the run wait forever.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import wait
@@ -28,6 +32,22 @@ logger = logging.getLogger("statefulset")
 
 class WorkerDied(StatefulsetError):
     """A worker process ended while it held a task."""
+
+
+class WorkerStuck(StatefulsetError):
+    """No worker delivered anything for ``STATEFULSET_TASK_TIMEOUT`` seconds."""
+
+
+def no_news_limit() -> float:
+    """Seconds a run waits for any unit of work to finish before it stops with an error."""
+    raw = os.environ.get("STATEFULSET_TASK_TIMEOUT", "3600")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise StatefulsetError(f"STATEFULSET_TASK_TIMEOUT must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 def _serve(connection: Any, function: Callable[[Any], Any], initializer: Callable[..., None], initargs: tuple) -> None:
@@ -65,6 +85,7 @@ def ordered_map(
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     context = multiprocessing.get_context(method)
     period = float(os.environ.get("STATEFULSET_POOL_LOG_SECONDS", "60"))
+    limit = no_news_limit()
     processes, connections = [], []
     for _ in range(workers):
         mine, theirs = context.Pipe()
@@ -78,6 +99,7 @@ def ordered_map(
     done: dict[int, Any] = {}
     source = iter(enumerate(items))
     exhausted, following = False, 0
+    last_news = time.monotonic()
     try:
         while True:
             while not exhausted:  # keep every worker at `depth` tasks
@@ -102,9 +124,14 @@ def ordered_map(
                 following += 1
             if exhausted and not pending:
                 return
-            ready = wait(connections + [p.sentinel for p in processes], timeout=period)
+            ready = wait(connections + [p.sentinel for p in processes], timeout=min(period, limit))
             if not ready:
                 waiting = [describe(pending[held[w][0]]) for w in range(workers) if held[w]]
+                if time.monotonic() - last_news >= limit:
+                    raise WorkerStuck(
+                        f"no worker finished a unit in {limit:g} s (STATEFULSET_TASK_TIMEOUT); still held: "
+                        + "; ".join(waiting)
+                    )
                 logger.info("statefulset: still waiting for %d worker(s), on %s", len(waiting), "; ".join(waiting))
                 continue
             for k, connection in enumerate(connections):
@@ -114,6 +141,7 @@ def ordered_map(
                     except (EOFError, OSError):
                         continue  # the worker died: its sentinel says so below
                     held[k].remove(number)
+                    last_news = time.monotonic()
                     if not ok:
                         raise value
                     done[number] = value
@@ -129,6 +157,9 @@ def ordered_map(
             process.join(timeout=1)
             if process.is_alive():
                 process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():  # stuck where SIGTERM is not acted on
+                process.kill()
                 process.join(timeout=5)
         for connection in connections:
             connection.close()

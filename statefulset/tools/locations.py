@@ -1,0 +1,217 @@
+"""Where preprocessing reads and writes: local paths, or any fsspec URL (``s3://``, ``gs://``, ``memory://``).
+
+Local paths keep the plain ``open``/``os`` calls (no fsspec layer on the hot path). A URL goes
+through fsspec, a filesystem per process (fsspec forgets its instances after a fork, so worker
+processes and Ray tasks make their own clients); credentials and endpoints come from the
+environment as s3fs reads them (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID`` ...).
+
+Shards are written with a local rename (atomic), so an output on object storage is written to a
+local staging folder and uploaded, ``.bin`` first and ``.idx`` last: a reader never sees an index
+without its data. One object ``put`` is atomic on object stores, which is what a committed part
+(:mod:`statefulset.tools.part_tasks`) relies on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import IO, Any
+
+from statefulset.errors import StatefulsetError
+from statefulset.shards.names import natural_key
+from statefulset.shards.remote import object_version, open_filesystem
+
+
+def is_url(path: str) -> bool:
+    """True for anything fsspec must open (``file://`` URLs are plain local paths)."""
+    return "://" in path and not path.startswith("file://")
+
+
+def _local(path: str) -> str:
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+def _fs(url: str) -> tuple[Any, str]:
+    return open_filesystem(url, None)
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0]
+
+
+def _unstrip(url: str, path: str) -> str:
+    """fsspec's paths drop the protocol; put it back so that the path opens anywhere."""
+    return path if "://" in path else f"{_protocol(url)}://{path}"
+
+
+def open_read(path: str) -> IO[bytes]:
+    """A seekable binary file object, naming the path when it cannot be opened."""
+    try:
+        if not is_url(path):
+            return open(_local(path), "rb")
+        fs, fs_path = _fs(path)
+        return fs.open(fs_path, "rb")
+    except (OSError, ValueError) as exc:
+        raise StatefulsetError(f"{path}: cannot read: {exc}") from exc
+
+
+def size(path: str) -> int:
+    try:
+        if not is_url(path):
+            return os.path.getsize(_local(path))
+        fs, fs_path = _fs(path)
+        return int(fs.size(fs_path))
+    except (OSError, ValueError) as exc:
+        raise StatefulsetError(f"{path}: cannot read its size: {exc}") from exc
+
+
+def version(path: str) -> list[Any]:
+    """What changes when the file changes: size and mtime locally, ETag (or the store's equivalent) remotely."""
+    if not is_url(path):
+        st = os.stat(_local(path))
+        return [os.path.abspath(_local(path)), st.st_size, st.st_mtime_ns]
+    fs, fs_path = _fs(path)
+    return [path, object_version(fs.info(fs_path))]
+
+
+def expand(inputs: list[str] | tuple[str, ...]) -> list[str]:
+    """Files and glob patterns (local or URLs), each pattern's matches in natural order."""
+    paths: list[str] = []
+    for item in inputs:
+        pattern = any(c in item for c in "*?[")
+        if not is_url(item):
+            if pattern:
+                matches = sorted(glob.glob(_local(item)), key=natural_key)
+                if not matches:
+                    raise StatefulsetError(f"{item}: the pattern matches no file")
+                paths += matches
+            elif os.path.isfile(_local(item)):
+                paths.append(item)
+            else:
+                raise StatefulsetError(f"{item}: no such input file")
+            continue
+        fs, fs_path = _fs(item)
+        try:
+            if pattern:
+                found = sorted(fs.glob(fs_path), key=natural_key)
+                if not found:
+                    raise StatefulsetError(f"{item}: the pattern matches no object")
+                paths += [_unstrip(item, p) for p in found]
+            elif fs.isfile(fs_path):
+                paths.append(item)
+            else:
+                raise StatefulsetError(f"{item}: no such input object")
+        except OSError as exc:
+            raise StatefulsetError(f"{item}: cannot list: {exc}") from exc
+    return paths
+
+
+class Folder:
+    """A folder of small files and shards (the parts of a Ray run): local or on object storage."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path.rstrip("/")
+        self.remote = is_url(path)
+        if self.remote:
+            self._fs, self._fs_path = _fs(self.path)
+
+    def _fresh(self) -> None:
+        """Forget fsspec's listings: other processes (Ray tasks) add files to this folder."""
+        self._fs.invalidate_cache(self._fs_path)
+
+    def join(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def make(self) -> None:
+        if not self.remote:
+            os.makedirs(_local(self.path), exist_ok=True)
+
+    def names(self) -> list[str]:
+        """The file names in the folder ([] when it does not exist)."""
+        if not self.remote:
+            local = _local(self.path)
+            return os.listdir(local) if os.path.isdir(local) else []
+        self._fresh()
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self._fs_path, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    def read_text(self, name: str) -> str:
+        if not self.remote:
+            with open(_local(self.join(name))) as f:
+                return f.read()
+        self._fresh()
+        return self._fs.cat_file(f"{self._fs_path}/{name}").decode()
+
+    def exists(self, name: str) -> bool:
+        if not self.remote:
+            return os.path.exists(_local(self.join(name)))
+        self._fresh()
+        return bool(self._fs.exists(f"{self._fs_path}/{name}"))
+
+    def write_text(self, name: str, text: str) -> None:
+        """Atomic: a rename locally, one ``put`` of the whole object remotely."""
+        if not self.remote:
+            target = _local(self.join(name))
+            with open(target + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(target + ".tmp", target)
+            return
+        self._fs.pipe_file(f"{self._fs_path}/{name}", text.encode())
+
+    @contextlib.contextmanager
+    def local_shard(self, name: str) -> Iterator[str]:
+        """The shard ``name`` (a prefix in this folder) as a local prefix: itself, or a download removed after use
+        (so merging remote parts needs the local room of one part, and leaves no copies behind)."""
+        if not self.remote:
+            yield _local(self.join(name))
+            return
+        folder = tempfile.mkdtemp(prefix="statefulset-part-")
+        try:
+            for ext in (".bin", ".idx"):
+                self._fs.get_file(f"{self._fs_path}/{name}{ext}", os.path.join(folder, name + ext))
+            yield os.path.join(folder, name)
+        except OSError as exc:
+            raise StatefulsetError(f"{self.join(name)}: cannot download the part: {exc}") from exc
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def remove(self) -> None:
+        if not self.remote:
+            shutil.rmtree(_local(self.path), ignore_errors=True)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self._fs.rm(self._fs_path, recursive=True)
+
+
+class StagedOutput:
+    """A shard prefix to write with :class:`IndexedDatasetWriter`: the prefix itself when local,
+    else a local staging prefix that :meth:`publish` uploads (``.bin``, then ``.idx``)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.remote = is_url(prefix)
+        self._folder = tempfile.mkdtemp(prefix="statefulset-stage-") if self.remote else None
+        base = prefix.rstrip("/").rsplit("/", 1)[-1]
+        self.local = os.path.join(self._folder, base) if self._folder else _local(prefix)
+
+    def publish(self) -> None:
+        if not self.remote:
+            return
+        fs, fs_path = _fs(self.prefix)
+        try:
+            for ext in (".bin", ".idx"):
+                fs.put_file(self.local + ext, fs_path + ext)
+        except OSError as exc:
+            raise StatefulsetError(f"{self.prefix}: cannot upload the shard: {exc}") from exc
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        if self._folder:
+            shutil.rmtree(self._folder, ignore_errors=True)
