@@ -1,12 +1,22 @@
-"""``--executor ray`` against ``--workers 2`` on one machine: documents/s and tokens/s, same inputs, same cores.
+"""Preprocessing side by side on one machine: ``--executor ray`` vs ``--workers 2`` vs datatrove vs preprocess_data.py.
 
-The corpus is ``jsonl_corpus.py``'s (pseudo-English JSON lines), split into 8 files; tokenizers:
-``bytes`` and the byte-level BPE that script trains. Each row is a fresh ``statefulset preprocess``
-process timed from start to exit (so Ray's start-up, ~5 s for a local Ray, is inside the Ray
-rows; the "tokenising" column subtracts the time until the first task is submitted, read from
-the run's own log). Outputs are checked byte for byte between the two executors.
+Same inputs (``jsonl_corpus.py``'s pseudo-English JSON lines, split into 8 files), same tokenizer,
+same 2 worker processes, end-of-document token appended, for each tokenizer:
 
-    python benchmarks/bench_preprocess_ray.py [--docs 100000]
+* ``ours --workers 2`` and ``ours --executor ray`` (a local Ray started and stopped by the run):
+  ``statefulset preprocess`` as a fresh process; outputs checked byte for byte between the two.
+* ``datatrove``: ``MegatronDocumentTokenizer`` under ``LocalPipelineExecutor(tasks=8, workers=2)``
+  in its own venv (``--datatrove-python``; ``benchmarks/anchor_datatrove_tokenize.py``). It writes
+  one unmerged bin/idx per task. datatrove takes only a Hugging Face tokenizer, so its ``bytes`` row
+  uses a byte-level BPE with no merges (one token per UTF-8 byte, the same token count).
+* ``preprocess_data.py``: the recreation of Megatron-LM's loop in ``bench_preprocess.py``
+  (``multiprocessing.Pool(2).imap`` over the single corpus file, megatron-core's builder).
+
+Every row is a whole child process timed from start to exit (imports, Ray's start-up, the merge:
+what a user waits for). Then how ``--executor ray`` scales with the number of tasks, one worker vs
+two (per-core rate), and the rate of the final merge, the figures the 100-node estimate uses.
+
+    python benchmarks/bench_preprocess_ray.py [--docs 100000] [--datatrove-python PY]
 """
 
 from __future__ import annotations
@@ -23,12 +33,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from jsonl_corpus import ensure_corpus, train_tokenizer  # noqa: E402
+from jsonl_corpus import EOD_TOKEN, ensure_corpus, train_tokenizer  # noqa: E402
 
 
 def split(path: str, folder: str, parts: int) -> list[str]:
     with open(path, "rb") as f:
         lines = f.readlines()
+    os.makedirs(folder, exist_ok=True)
     out = []
     for k in range(parts):
         name = os.path.join(folder, f"part-{k}.jsonl")
@@ -38,49 +49,123 @@ def split(path: str, folder: str, parts: int) -> list[str]:
     return out
 
 
-def run(inputs: list[str], prefix: str, tokenizer: str, extra: list[str]) -> dict:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+def byte_tokenizer(path: str) -> None:
+    """A Hugging Face byte-level BPE without merges: every UTF-8 byte one token, plus the EOD token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([EOD_TOKEN])
+    tokenizer.save(path)
+
+
+def timed(command: list[str], env: dict | None = None) -> tuple[float, str]:
     began = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "statefulset", "preprocess", "--input", *inputs, "--output-prefix", prefix,
-         "--tokenizer", tokenizer, "--append-eod", "--quiet", *extra],
-        capture_output=True, text=True, env=env, timeout=3600, check=True,
-    )  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=7200)
     seconds = time.perf_counter() - began
-    first = done.stdout.splitlines()[0]  # "N documents, T tokens in S s (...)"
+    if done.returncode:
+        raise RuntimeError(f"{command[:4]} failed:\n{done.stderr[-3000:]}")
+    return seconds, done.stdout
+
+
+def ours(inputs: list[str], prefix: str, tokenizer: str, extra: list[str]) -> dict:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    seconds, out = timed(
+        [sys.executable, "-m", "statefulset", "preprocess", "--input", *inputs, "--output-prefix", prefix,
+         "--tokenizer", tokenizer, "--append-eod", "--quiet", *extra], env,
+    )  # fmt: skip
+    first = out.splitlines()[0]  # "N documents, T tokens in S s (...)"
     documents = int(first.split(" documents")[0].replace(",", ""))
     tokens = int(first.split(", ")[1].split(" tokens")[0].replace(",", ""))
     return {"seconds": seconds, "documents": documents, "tokens": tokens}
 
 
+def datatrove(python: str, folder: str, tokenizer: str, out: str) -> dict:
+    script = os.path.join(HERE, "anchor_datatrove_tokenize.py")
+    seconds, stdout = timed([python, script, folder, tokenizer, EOD_TOKEN, out, "8", "2"])
+    return {**json.loads(stdout.strip().splitlines()[-1]), "seconds": seconds}
+
+
+def megatron_recreation(corpus: str, kind: str, tokenizer: str, prefix: str) -> dict:
+    call = f"b._run_anchor({kind!r}, {tokenizer!r}, 2, {corpus!r}, {prefix!r})"
+    code = f"import json, sys; sys.path.insert(0, {HERE!r}); import bench_preprocess as b; print(json.dumps({call}))"
+    seconds, stdout = timed([sys.executable, "-c", code])
+    got = json.loads(stdout.strip().splitlines()[-1])
+    return {"seconds": seconds, "documents": got["docs"], "tokens": got["tokens"]}
+
+
+def same(a: str, b: str) -> bool:
+    return all(filecmp.cmp(a + e, b + e, shallow=False) for e in (".bin", ".idx"))
+
+
+def merge_rate(prefix: str, folder: str) -> dict:
+    """The final merge alone: the largest output copied through ``merge_datasets`` (page cache warm)."""
+    from statefulset.shards.merge import merge_datasets
+
+    size = os.path.getsize(prefix + ".bin") + os.path.getsize(prefix + ".idx")
+    began = time.perf_counter()
+    merge_datasets([prefix], os.path.join(folder, "merged_text_document"))
+    seconds = time.perf_counter() - began
+    return {"bytes": size, "seconds": seconds, "gb_per_s": size / seconds / 1e9}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=100_000)
+    parser.add_argument("--datatrove-python", default=os.environ.get("DATATROVE_PYTHON", ""))
+    parser.add_argument("--tokenizers", default="bytes,bpe")
+    parser.add_argument("--task-counts", default="2,4,8,16,32", help="Ray tasks for the scaling rows (BPE)")
     args = parser.parse_args()
     corpus = ensure_corpus(args.docs)["path"]
+    corpus_bytes = os.path.getsize(corpus)
+    results: dict = {"docs": args.docs, "corpus_bytes": corpus_bytes, "cpus": os.cpu_count(), "rows": {}}
     with tempfile.TemporaryDirectory() as folder:
-        bpe = os.path.join(folder, "tokenizer.json")
-        train_tokenizer(corpus, bpe)
-        inputs = split(corpus, folder, 8)
-        for path in inputs:  # warm the page cache
+        bpe_path = os.path.join(folder, "bpe.json")
+        tokenizers = {"bytes": ("bytes", os.path.join(folder, "bytes.json")), "bpe": (bpe_path, bpe_path)}
+        train_tokenizer(corpus, tokenizers["bpe"][0])
+        byte_tokenizer(tokenizers["bytes"][1])
+        inputs = split(corpus, os.path.join(folder, "in"), 8)
+        for path in [*inputs, corpus]:  # warm the page cache
             with open(path, "rb") as f:
                 f.read()
-        rows = {}
-        for name, tokenizer in (("bytes", "bytes"), ("bpe", bpe)):
-            local = run(inputs, os.path.join(folder, f"{name}-local"), tokenizer, ["--workers", "2"])
-            ray = run(inputs, os.path.join(folder, f"{name}-ray"), tokenizer,
-                      ["--executor", "ray", "--task-bytes", str(16 << 20)])  # fmt: skip
-            same = all(
-                filecmp.cmp(os.path.join(folder, f"{name}-local_text_document{e}"),
-                            os.path.join(folder, f"{name}-ray_text_document{e}"), shallow=False)
-                for e in (".bin", ".idx")
-            )  # fmt: skip
-            rows[name] = {"workers_2": local, "ray": ray, "identical": same,
-                          "ray_over_workers_2": local["seconds"] / ray["seconds"]}  # fmt: skip
-            print(name, json.dumps(rows[name]), flush=True)
+        for name in args.tokenizers.split(","):
+            ours_tok, hf_tok = tokenizers[name]
+            row: dict = {}
+            row["ours_workers_2"] = ours(inputs, os.path.join(folder, f"{name}-w2"), ours_tok, ["--workers", "2"])
+            row["ours_ray"] = ours(inputs, os.path.join(folder, f"{name}-ray"), ours_tok, ["--executor", "ray"])
+            row["identical"] = same(os.path.join(folder, f"{name}-w2_text_document"),
+                                    os.path.join(folder, f"{name}-ray_text_document"))  # fmt: skip
+            if args.datatrove_python:
+                row["datatrove"] = datatrove(args.datatrove_python, os.path.join(folder, "in"), hf_tok,
+                                             os.path.join(folder, f"{name}-dt"))  # fmt: skip
+            kind = "bytes" if name == "bytes" else "hf"
+            row["preprocess_data_py"] = megatron_recreation(corpus, kind, hf_tok, os.path.join(folder, f"{name}-meg"))
+            for value in row.values():
+                if isinstance(value, dict):
+                    value["docs_per_s"] = value["documents"] / value["seconds"]
+                    value["tokens_per_s"] = value["tokens"] / value["seconds"]
+            row["ray_over_workers_2"] = row["ours_ray"]["docs_per_s"] / row["ours_workers_2"]["docs_per_s"]
+            if "datatrove" in row:
+                row["ray_over_datatrove"] = row["ours_ray"]["docs_per_s"] / row["datatrove"]["docs_per_s"]
+            results["rows"][name] = row
+            print(name, json.dumps(row), flush=True)
+        bpe = tokenizers["bpe"][0]
+        scaling = {"workers_1": ours(inputs, os.path.join(folder, "s-w1"), bpe, ["--workers", "1"])}
+        for count in map(int, args.task_counts.split(",")):
+            task_bytes = -(-corpus_bytes // count)
+            scaling[f"ray_{count}_tasks"] = ours(inputs, os.path.join(folder, f"s-{count}"), bpe,
+                                                 ["--executor", "ray", "--task-bytes", str(task_bytes)])  # fmt: skip
+        for value in scaling.values():
+            value["docs_per_s"] = value["documents"] / value["seconds"]
+        results["scaling_bpe"] = scaling
+        print("scaling", json.dumps(scaling), flush=True)
+        results["merge"] = merge_rate(os.path.join(folder, "bytes-w2_text_document"), folder)
+        print("merge", json.dumps(results["merge"]), flush=True)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "bench_preprocess_ray.json"), "w") as f:
-        json.dump({"docs": args.docs, "rows": rows}, f, indent=1)
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """``statefulset preprocess --executor ray``: tokenisation as tasks that each commit a part, merged in input order.
 
-The inputs are cut into the units the local run uses (byte ranges of plain JSON lines, a gzip
-file whole, Parquet row groups), grouped in input order into tasks of about ``task_bytes``. Task
+The inputs (local paths or fsspec URLs) are cut into the units the local run uses (byte ranges of
+plain JSON lines, a gzip file, Parquet row groups), grouped in input order into tasks of about
+``task_bytes`` (less on a small input, so that every CPU of the cluster gets several tasks). Task
 ``i`` tokenises its units into the part shards ``<output>.parts/part-<i>_<key>_document`` and then
-writes ``part-<i>.done`` (counts, lines, bad lines): a part exists only once it is complete
-(the writer renames into place, the marker last). The parts are then merged in order into
-exactly the bytes a one-process run writes, and the parts folder is removed.
+writes ``part-<i>.done`` (counts, lines, bad lines): a part exists only once it is complete (the
+marker is written last, a rename locally, one ``put`` on object storage). A gzip file is streamed
+inside its task in ``chunk_bytes`` pieces, so a task's memory is bounded whatever the input size.
+
+The driver appends committed parts to the outputs in input order while later tasks still run,
+into exactly the bytes a one-process run writes, and removes the parts folder at the end.
 
 A rerun with the same arguments (after a crash, a SIGKILL, a lost node) finds the manifest,
 keeps every committed part and runs only the rest; a rerun whose inputs or arguments differ is
@@ -14,6 +18,7 @@ refused, naming what differs, so parts of two runs never mix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -31,6 +36,8 @@ from statefulset.tools.worker_pool import no_news_limit
 
 logger = logging.getLogger("statefulset")
 LOG_EVERY_S = 60.0
+TASKS_PER_CPU = 8
+MIN_TASK_BYTES = 4 << 20
 
 MANIFEST_VERSION = 1
 
@@ -115,45 +122,108 @@ def _manifest(paths: list[str], arguments: dict[str, Any]) -> dict[str, Any]:
     return {"version": MANIFEST_VERSION, "inputs": [locations.version(p) for p in paths], **arguments}
 
 
-def _check_manifest(parts: Folder, wanted: dict[str, Any]) -> None:
-    """Starts a new run's folder; refuses a folder of another run, naming what differs."""
+def _check_manifest(parts: Folder, wanted: dict[str, Any], task_size: int) -> int:
+    """The task size of this run: ``task_size`` for a new run's folder, the one recorded by the run being
+    resumed (a cluster of another size must not change the plan); refuses a folder of another run."""
     if not parts.exists("manifest.json"):
         parts.make()
-        parts.write_text("manifest.json", json.dumps(wanted))
-        return
+        parts.write_text("manifest.json", json.dumps({**wanted, "planned_task_bytes": task_size}))
+        return task_size
     found = json.loads(parts.read_text("manifest.json"))
+    planned = found.pop("planned_task_bytes", None)
     differs = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
-    if differs:
+    if differs or not isinstance(planned, int):
         raise StatefulsetError(
-            f"{parts.path}: holds the parts of a run with other {', '.join(differs)}; never mixing the two, this "
-            f"run stops. Remove {parts.path} to start clean, or rerun with the same inputs and arguments to resume it"
+            f"{parts.path}: holds the parts of a run with other {', '.join(differs) or 'plan'}; never mixing the "
+            f"two, this run stops. Remove {parts.path} to start clean, or rerun with the same inputs and arguments "
+            "to resume it"
         )
+    return planned
 
 
-@dataclass
-class RayRun:
-    tasks: int
-    skipped: int
+def task_size(task_bytes: int, total: int, cpus: int) -> int:
+    """``--task-bytes``, or less so that each CPU gets ``TASKS_PER_CPU`` tasks (a short tail when the
+    last tasks run alone), but never below ``MIN_TASK_BYTES`` (per-task costs stay small)."""
+    return max(1, min(task_bytes, max(MIN_TASK_BYTES, total // (TASKS_PER_CPU * max(cpus, 1)))))
 
 
-def run_with_ray(
-    tasks: list[Task], parts: Folder, init_args: tuple, chunk_bytes: int, address: str | None, show_progress: bool
-) -> RayRun:
+@contextlib.contextmanager
+def ray_session(address: str | None) -> Iterator[Any]:
+    """Ray, started here (and stopped at the end) unless this process is already connected."""
     try:
         import ray
     except ImportError:
         raise StatefulsetError("--executor ray needs ray: pip install 'statefulset[ray]'") from None
-    done = {int(n[5:11]) for n in parts.names() if n.startswith("part-") and n.endswith(".done")}
-    todo = [t for t in tasks if t.number not in done]
-    total = sum(c.nbytes for t in todo for c in t.chunks)
-    progress = Progress("preprocess", total, enabled=show_progress)
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    pending: dict[Any, Task] = {}
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        except (ConnectionError, ValueError, RuntimeError) as exc:
+            raise StatefulsetError(f"--ray-address {address}: cannot connect to the Ray cluster: {exc}") from None
     try:
-        remote = ray.remote(max_retries=3, retry_exceptions=False)(run_task)  # a lost worker or node: retried
-        pending = {remote.remote(task, parts.path, init_args, chunk_bytes): task for task in todo}
+        yield ray
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+class OrderedMerge:
+    """Appends committed parts to the outputs in input order while later tasks still run, so the
+    merge is done (all but the tail) when the last task commits. Each part's summary is counted as
+    it is appended: a bad line stops the run at the first part holding one, nothing published."""
+
+    def __init__(self, parts: Folder, tasks: list[Task], result: Any, dtype: Any, skip_bad_lines: bool) -> None:
+        self.parts, self.tasks, self.result, self.skip = parts, tasks, result, skip_bad_lines
+        self.staged = {k: StagedOutput(p) for k, p in result.outputs.items()}
+        self.writers = {k: IndexedDatasetWriter(o.local, dtype) for k, o in self.staged.items()}
+        self.following = 0
+        self._line_of: dict[str, int] = {}
+
+    def advance(self, committed: set[int]) -> None:
+        while self.following < len(self.tasks) and self.following in committed:
+            self._append(self.tasks[self.following].number)
+            self.following += 1
+
+    def _append(self, number: int) -> None:
+        summary = json.loads(self.parts.read_text(f"part-{number:06d}.done"))
+        result = self.result
+        for unit in summary["units"]:
+            first = self._line_of.get(unit["path"], 0) + 1
+            self._line_of[unit["path"]] = first - 1 + unit["lines"]
+            result.blank_lines += unit["blank"]
+            result.input_bytes += unit["bytes"]
+            hint = f"; the committed parts in {self.parts.path} are kept for that rerun"
+            local.count_bad_lines(result, unit["path"], unit["parquet"], first, unit["bad"], self.skip, hint)
+        result.documents += summary["documents"]
+        for key, writer in self.writers.items():
+            result.tokens[key] = result.tokens.get(key, 0) + summary["tokens"][key]
+            with self.parts.local_shard(f"part-{number:06d}_{key}_document") as prefix:
+                writer.add_index(prefix)
+
+    def publish(self) -> None:
+        for key, writer in self.writers.items():
+            writer.close()
+            self.staged[key].publish()
+
+    def abort(self) -> None:
+        for key, writer in self.writers.items():
+            writer.abort()
+            self.staged[key].discard()
+
+
+def run_tasks(
+    ray: Any, tasks: list[Task], parts: Folder, init_args: tuple, chunk_bytes: int, merge: OrderedMerge,
+    show_progress: bool,
+) -> int:  # fmt: skip
+    """Runs the tasks not yet committed, feeding the merge as parts commit; returns how many were kept."""
+    committed = {int(n[5:11]) for n in parts.names() if n.startswith("part-") and n.endswith(".done")}
+    kept = len(committed)
+    merge.advance(committed)
+    todo = [t for t in tasks if t.number not in committed]
+    progress = Progress("preprocess", sum(c.nbytes for t in todo for c in t.chunks), enabled=show_progress)
+    remote = ray.remote(max_retries=3, retry_exceptions=False)(run_task)  # a lost worker or node: retried
+    pending = {remote.remote(task, parts.path, init_args, chunk_bytes): task for task in todo}
+    try:
         limit, last_news = no_news_limit(), time.monotonic()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(LOG_EVERY_S, limit))
@@ -172,29 +242,15 @@ def run_with_ray(
             except ray.exceptions.RayError as exc:
                 raise StatefulsetError(f"{task.describe()}: failed on the Ray cluster: {exc}") from None
             last_news = time.monotonic()
-            progress.note = f"{len(tasks) - len(pending)}/{len(tasks)} tasks"
+            committed.add(task.number)
+            progress.note = f"{len(committed)}/{len(tasks)} tasks"
             progress.update(summary["documents"], sum(summary["tokens"].values()), summary["bytes"])
+            merge.advance(committed)
     finally:
         progress.close()
-        for ref in pending:  # an error above: nothing of this run keeps running on the cluster
+        for ref in pending:  # stopped early: nothing of this run keeps running on the cluster
             ray.cancel(ref, force=True)
-        if started_here:
-            ray.shutdown()
-    return RayRun(len(tasks), len(done))
-
-
-def _merge_parts(parts: Folder, names: list[str], output: str, dtype: Any) -> None:
-    """The parts, in order, into ``output`` (what ``merge_datasets`` does, one part at a time when they are remote)."""
-    out = StagedOutput(output)
-    try:
-        with IndexedDatasetWriter(out.local, dtype) as writer:
-            for name in names:
-                with parts.local_shard(name) as prefix:
-                    writer.add_index(prefix)
-    except BaseException:
-        out.discard()
-        raise
-    out.publish()
+    return kept
 
 
 def preprocess_ray(
@@ -221,27 +277,20 @@ def preprocess_ray(
     parts = Folder(output_prefix + ".parts")
     arguments = {"keys": list(keys), "tokenizer": repr(spec), "append_eod": append_eod, "dtype": str(out_dtype),
                  "chunk_bytes": chunk_bytes, "task_bytes": task_bytes}  # fmt: skip
-    _check_manifest(parts, _manifest(paths, arguments))
-    tasks = plan(paths, keys, chunk_bytes, task_bytes)
+    wanted = _manifest(paths, arguments)
     # Each Ray task holds one CPU: the Rust tokenizer must not add threads of its own (as with --workers).
     init_args = (spec, keys, append_eod, out_dtype, True)
-    run = run_with_ray(tasks, parts, init_args, chunk_bytes, ray_address, show_progress)
-    line_of: dict[str, int] = {}
-    for task in tasks:
-        summary = json.loads(parts.read_text(f"part-{task.number:06d}.done"))
-        result.documents += summary["documents"]
-        for key, count in summary["tokens"].items():
-            result.tokens[key] = result.tokens.get(key, 0) + count
-        for unit in summary["units"]:
-            first = line_of.get(unit["path"], 0) + 1
-            line_of[unit["path"]] = first - 1 + unit["lines"]
-            result.blank_lines += unit["blank"]
-            result.input_bytes += unit["bytes"]
-            hint = f"; the committed parts in {parts.path} are kept for that rerun"
-            local.count_bad_lines(result, unit["path"], unit["parquet"], first, unit["bad"], skip_bad_lines, hint)
-    for key in keys:
-        _merge_parts(parts, [f"part-{t.number:06d}_{key}_document" for t in tasks], result.outputs[key], out_dtype)
+    with ray_session(ray_address) as ray:
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        size = task_size(task_bytes, sum(locations.size(p) for p in paths), cpus)
+        tasks = plan(paths, keys, chunk_bytes, _check_manifest(parts, wanted, size))
+        merge = OrderedMerge(parts, tasks, result, out_dtype, skip_bad_lines)
+        try:
+            result.skipped_tasks = run_tasks(ray, tasks, parts, init_args, chunk_bytes, merge, show_progress)
+        except BaseException:
+            merge.abort()
+            raise
+    merge.publish()
     parts.remove()
     result.seconds = time.perf_counter() - began
-    result.skipped_tasks = run.skipped
     return result
