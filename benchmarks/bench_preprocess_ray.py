@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--datatrove-python", default=os.environ.get("DATATROVE_PYTHON", ""))
     parser.add_argument("--tokenizers", default="bytes,bpe")
     parser.add_argument("--task-counts", default="2,4,8,16,32", help="Ray tasks for the scaling rows (BPE)")
+    parser.add_argument("--only-ours", action="store_true", help="ours --workers 2 and Ray only (a larger corpus)")
+    parser.add_argument("--out", default="bench_preprocess_ray.json", help="file name under benchmarks/results")
     args = parser.parse_args()
     corpus = ensure_corpus(args.docs)["path"]
     corpus_bytes = os.path.getsize(corpus)
@@ -137,11 +139,13 @@ def main() -> None:
             row["ours_ray"] = ours(inputs, os.path.join(folder, f"{name}-ray"), ours_tok, ["--executor", "ray"])
             row["identical"] = same(os.path.join(folder, f"{name}-w2_text_document"),
                                     os.path.join(folder, f"{name}-ray_text_document"))  # fmt: skip
-            if args.datatrove_python:
+            if args.datatrove_python and not args.only_ours:
                 row["datatrove"] = datatrove(args.datatrove_python, os.path.join(folder, "in"), hf_tok,
                                              os.path.join(folder, f"{name}-dt"))  # fmt: skip
             kind = "bytes" if name == "bytes" else "hf"
-            row["preprocess_data_py"] = megatron_recreation(corpus, kind, hf_tok, os.path.join(folder, f"{name}-meg"))
+            if not args.only_ours:
+                meg = os.path.join(folder, f"{name}-meg")
+                row["preprocess_data_py"] = megatron_recreation(corpus, kind, hf_tok, meg)
             for value in row.values():
                 if isinstance(value, dict):
                     value["docs_per_s"] = value["documents"] / value["seconds"]
@@ -151,9 +155,11 @@ def main() -> None:
                 row["ray_over_datatrove"] = row["ours_ray"]["docs_per_s"] / row["datatrove"]["docs_per_s"]
             results["rows"][name] = row
             print(name, json.dumps(row), flush=True)
+        if args.only_ours:
+            args.task_counts = ""
         bpe = tokenizers["bpe"][0]
         scaling = {"workers_1": ours(inputs, os.path.join(folder, "s-w1"), bpe, ["--workers", "1"])}
-        for count in map(int, args.task_counts.split(",")):
+        for count in [int(c) for c in args.task_counts.split(",") if c]:
             task_bytes = -(-corpus_bytes // count)
             scaling[f"ray_{count}_tasks"] = ours(inputs, os.path.join(folder, f"s-{count}"), bpe,
                                                  ["--executor", "ray", "--task-bytes", str(task_bytes)])  # fmt: skip
@@ -161,10 +167,11 @@ def main() -> None:
             value["docs_per_s"] = value["documents"] / value["seconds"]
         results["scaling_bpe"] = scaling
         print("scaling", json.dumps(scaling), flush=True)
-        results["merge"] = merge_rate(os.path.join(folder, "bytes-w2_text_document"), folder)
+        first = args.tokenizers.split(",")[0]
+        results["merge"] = merge_rate(os.path.join(folder, f"{first}-w2_text_document"), folder)
         print("merge", json.dumps(results["merge"]), flush=True)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "bench_preprocess_ray.json"), "w") as f:
+    with open(os.path.join(HERE, "results", args.out), "w") as f:
         json.dump(results, f, indent=1)
 
 

@@ -186,3 +186,29 @@ def test_bad_options(tmp_path):
         preprocess([str(source)], str(tmp_path / "o"), chunk_bytes=0, show_progress=False)
     with pytest.raises(StatefulsetError, match="--workers must be at least 1"):
         preprocess([str(source)], str(tmp_path / "o"), workers=0, show_progress=False)
+
+
+def test_a_shipped_tokenizer_builds_without_its_file(tmp_path, hf_tokenizer_dir):
+    """Ray tasks on other machines get the tokenizer's text, not its path: same tokens, same end-of-document
+    token (resolved on the driver from tokenizer_config.json), and a fingerprint that follows the file's bytes."""
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(hf_tokenizer_dir, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[UNK]"}))
+    spec = TokenizerSpec(str(folder))
+    here = spec.build()
+    shipped = spec.shipped()
+    before = spec.fingerprint()
+    shutil.rmtree(folder)  # what a node without the file sees
+    there = shipped.build()
+    texts = [r["text"] for r in RECORDS if isinstance(r.get("text"), str)]
+    assert there.eod == here.eod == here._backend.token_to_id("[UNK]")
+    for a, b in zip(here.encode_batch(texts), there.encode_batch(texts), strict=True):
+        assert numpy.array_equal(a, b)
+    assert repr(shipped) == repr(TokenizerSpec(str(folder), "[UNK]"))  # the text stays out of logs and manifests
+    shutil.copytree(hf_tokenizer_dir, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[UNK]"}))
+    assert TokenizerSpec(str(folder)).fingerprint() == before
+    (folder / "tokenizer.json").write_text((folder / "tokenizer.json").read_text().replace('"[UNK]"', '"[UNK2]"'))
+    assert TokenizerSpec(str(folder)).fingerprint() != before

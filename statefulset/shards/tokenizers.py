@@ -7,9 +7,10 @@ length of each text, which is what the vectorised writer consumes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Protocol
 
@@ -64,7 +65,9 @@ class HFTokenizer:
     ``eos_token`` of a ``tokenizer_config.json`` beside it, else a well-known end token.
     """
 
-    def __init__(self, path: str, eod_token: str | None = None, add_special_tokens: bool = True) -> None:
+    def __init__(
+        self, path: str, eod_token: str | None = None, add_special_tokens: bool = True, content: str | None = None
+    ) -> None:
         try:
             from tokenizers import Tokenizer as _Backend
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -73,10 +76,11 @@ class HFTokenizer:
             ) from exc
         folder = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
+        if content is None and not os.path.isfile(file):
             raise StatefulsetError(f"{file}: no such tokenizer file (need a tokenizer.json or its folder)")
         try:
-            self._backend = _Backend.from_file(file)
+            # ``content``: the file's text, shipped to a machine that lacks the file (TokenizerSpec.shipped)
+            self._backend = _Backend.from_str(content) if content is not None else _Backend.from_file(file)
         except Exception as exc:  # the Rust library raises its own Exception type
             raise StatefulsetError(f"{file}: not a valid tokenizer.json: {exc}") from exc
         self.path = file
@@ -130,10 +134,32 @@ class TokenizerSpec:
     name: str = BYTES
     eod_token: str | None = None
     add_special_tokens: bool = True
+    content: str | None = field(default=None, repr=False, compare=False)  # see shipped()
 
     def build(self) -> ByteTokenizer | HFTokenizer:
         if self.name == BYTES:
             if self.eod_token is not None:
                 raise StatefulsetError("--eod-token applies to Hugging Face tokenizers; the byte tokenizer's is 256")
             return ByteTokenizer()
-        return HFTokenizer(self.name, self.eod_token, self.add_special_tokens)
+        return HFTokenizer(self.name, self.eod_token, self.add_special_tokens, self.content)
+
+    def shipped(self) -> TokenizerSpec:
+        """This spec carrying the tokenizer file's text, for workers on machines that do not have the
+        file (Ray tasks); the end-of-document token is resolved here, where a ``tokenizer_config.json``
+        beside the file can be read."""
+        if self.name == BYTES or self.content is not None:
+            return self
+        built = self.build()
+        eod = self.eod_token
+        if eod is None and built.eod is not None:
+            eod = str(built.eod) if built.token_text(built.eod) is None else built.token_text(built.eod)
+        with open(built.path, encoding="utf-8") as f:
+            return replace(self, eod_token=eod, content=f.read())
+
+    def fingerprint(self) -> str:
+        """What the tokens depend on: the spec and, for a file, a digest of its bytes."""
+        if self.name == BYTES:
+            return repr(self)
+        shipped = self.shipped()
+        digest = hashlib.sha256(shipped.content.encode()).hexdigest()[:16]  # type: ignore[union-attr]
+        return f"{self!r} sha256:{digest}"

@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ logger = logging.getLogger("statefulset")
 LOG_EVERY_S = 60.0
 TASKS_PER_CPU = 8
 MIN_TASK_BYTES = 4 << 20
+PLAN_THREADS = 32
 
 MANIFEST_VERSION = 1
 
@@ -52,12 +54,29 @@ class Task:
         return f"task {self.number} ({first.path}" + ("" if first.path == last.path else f" .. {last.path}") + ")"
 
 
-def plan(paths: list[str], keys: tuple[str, ...], chunk_bytes: int, task_bytes: int) -> list[Task]:
-    """Units in input order, grouped into tasks of about ``task_bytes`` (a gzip file is one unit, read whole)."""
+def _file_units(path: str, keys: tuple[str, ...], task_bytes: int) -> list[Any]:
+    """A file's units as the planner sees them: row groups (from the footer), a gzip file whole, or raw
+    byte ranges of ``task_bytes`` whose tasks find the line ends: no per-MiB probing of remote files."""
+    try:
+        if local.is_parquet(path):
+            return list(local._parquet_chunks(path, keys))
+        size = locations.size(path)
+        if local._is_gzip(path):
+            return [local._Chunk(path, size, gzip=True)]
+        return [local._Chunk(path, min(task_bytes, size - s), offset=s, span=True) for s in range(0, size, task_bytes)]
+    except OSError as exc:
+        raise StatefulsetError(f"{path}: cannot read: {exc}") from exc
+
+
+def plan(paths: list[str], keys: tuple[str, ...], task_bytes: int) -> list[Task]:
+    """Units in input order, grouped into tasks of about ``task_bytes``. The files are looked at by
+    ``PLAN_THREADS`` threads (on object storage each look is a request or two)."""
+    with ThreadPoolExecutor(min(PLAN_THREADS, max(len(paths), 1))) as pool:
+        per_file = list(pool.map(lambda p: _file_units(p, keys, task_bytes), paths))
     tasks: list[Task] = []
     group: list[Any] = []
     size = 0
-    for chunk in local._chunks(paths, chunk_bytes, keys, whole_gzip=True):
+    for chunk in (c for units in per_file for c in units):
         group.append(chunk)
         size += chunk.nbytes
         if size >= task_bytes:
@@ -68,11 +87,49 @@ def plan(paths: list[str], keys: tuple[str, ...], chunk_bytes: int, task_bytes: 
     return tasks
 
 
+def span_chunks(path: str, start: int, nbytes: int, chunk_bytes: int) -> Iterator[Any]:
+    """The lines that start in bytes ``[start, start + nbytes)`` of a plain file (a line belongs to the
+    range it starts in), in runs of about ``chunk_bytes``, read in blocks: memory stays bounded."""
+    end = start + nbytes
+    with locations.open_read(path) as f:
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the line running into the range began before it: the previous range's
+        pos, data = f.tell(), b""
+        while pos < end:
+            block = f.read(chunk_bytes)
+            data += block
+            limit = end - pos  # where the range ends, relative to data
+            if len(data) >= limit:  # the range's last line ends at the first newline from its last byte on
+                stop = data.find(b"\n", limit - 1)
+                if stop >= 0 or not block:
+                    yield _lines_unit(path, data if stop < 0 else data[: stop + 1])
+                    return
+                continue
+            if not block:  # the end of the file
+                if data:
+                    yield _lines_unit(path, data)
+                return
+            cut = data.rfind(b"\n") + 1
+            if cut:
+                yield _lines_unit(path, data[:cut])
+                pos, data = pos + cut, data[cut:]
+
+
+def _lines_unit(path: str, data: bytes) -> Any:
+    lines = data.split(b"\n")
+    if not lines[-1]:
+        lines.pop()  # the newline ending the last line
+    return local._Chunk(path, len(data), lines=lines)
+
+
 def _units(task: Task, chunk_bytes: int) -> Iterator[Any]:
     """The task's units; a gzip file streamed in pieces of about ``chunk_bytes``, so memory stays bounded."""
     for chunk in task.chunks:
         if chunk.gzip:
             yield from local._gzip_chunks(chunk.path, chunk_bytes)
+        elif chunk.span:
+            yield from span_chunks(chunk.path, chunk.offset, chunk.nbytes, chunk_bytes)
         else:
             yield chunk
 
@@ -222,7 +279,8 @@ def run_tasks(
     todo = [t for t in tasks if t.number not in committed]
     progress = Progress("preprocess", sum(c.nbytes for t in todo for c in t.chunks), enabled=show_progress)
     remote = ray.remote(max_retries=3, retry_exceptions=False)(run_task)  # a lost worker or node: retried
-    pending = {remote.remote(task, parts.path, init_args, chunk_bytes): task for task in todo}
+    shared = ray.put(init_args)  # the tokenizer's text, stored once rather than sent with every task
+    pending = {remote.remote(task, parts.path, shared, chunk_bytes): task for task in todo}
     try:
         limit, last_news = no_news_limit(), time.monotonic()
         while pending:
@@ -275,15 +333,15 @@ def preprocess_ray(
         inputs, output_prefix, json_keys, tokenizer, append_eod, dtype, chunk_bytes
     )
     parts = Folder(output_prefix + ".parts")
-    arguments = {"keys": list(keys), "tokenizer": repr(spec), "append_eod": append_eod, "dtype": str(out_dtype),
+    arguments = {"keys": list(keys), "tokenizer": spec.fingerprint(), "append_eod": append_eod, "dtype": str(out_dtype),
                  "chunk_bytes": chunk_bytes, "task_bytes": task_bytes}  # fmt: skip
     wanted = _manifest(paths, arguments)
     # Each Ray task holds one CPU: the Rust tokenizer must not add threads of its own (as with --workers).
-    init_args = (spec, keys, append_eod, out_dtype, True)
+    init_args = (spec.shipped(), keys, append_eod, out_dtype, True)  # nodes need not have the tokenizer file
     with ray_session(ray_address) as ray:
         cpus = int(ray.cluster_resources().get("CPU", 1))
         size = task_size(task_bytes, sum(locations.size(p) for p in paths), cpus)
-        tasks = plan(paths, keys, chunk_bytes, _check_manifest(parts, wanted, size))
+        tasks = plan(paths, keys, _check_manifest(parts, wanted, size))
         merge = OrderedMerge(parts, tasks, result, out_dtype, skip_bad_lines)
         try:
             result.skipped_tasks = run_tasks(ray, tasks, parts, init_args, chunk_bytes, merge, show_progress)

@@ -43,6 +43,7 @@ class _Chunk:
     lines: list[bytes] | None = None
     parquet: bool = False
     gzip: bool = False  # a whole gzip file (a unit of --executor ray): its task streams it in chunk_bytes pieces
+    span: bool = False  # a raw byte range (a unit of --executor ray): its task finds the line ends (span_chunks)
 
 
 @dataclass
