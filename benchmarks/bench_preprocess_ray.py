@@ -70,8 +70,8 @@ def timed(command: list[str], env: dict | None = None) -> tuple[float, str]:
     return seconds, done.stdout
 
 
-def ours(inputs: list[str], prefix: str, tokenizer: str, extra: list[str]) -> dict:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+def ours(inputs: list[str], prefix: str, tokenizer: str, extra: list[str], env: dict | None = None) -> dict:
+    env = {**(env or os.environ), "RAY_AUTH_MODE": "disabled"}
     seconds, out = timed(
         [sys.executable, "-m", "statefulset", "preprocess", "--input", *inputs, "--output-prefix", prefix,
          "--tokenizer", tokenizer, "--append-eod", "--quiet", *extra], env,
@@ -79,7 +79,32 @@ def ours(inputs: list[str], prefix: str, tokenizer: str, extra: list[str]) -> di
     first = out.splitlines()[0]  # "N documents, T tokens in S s (...)"
     documents = int(first.split(" documents")[0].replace(",", ""))
     tokens = int(first.split(", ")[1].split(" tokens")[0].replace(",", ""))
-    return {"seconds": seconds, "documents": documents, "tokens": tokens}
+    row = {"seconds": seconds, "documents": documents, "tokens": tokens}
+    for line in out.splitlines():  # "  largest task memory: 212 MiB (peak RSS of a Ray worker)"
+        if "largest task memory:" in line:
+            row["peak_task_mib"] = int(line.split(":")[1].split("MiB")[0].replace(",", ""))
+    return row
+
+
+def memory_rows(corpus: str, folder: str) -> dict:
+    """Peak memory of the Ray workers, bytes tokenizer: a tiny file, the corpus plain (ranges of about
+    1/16 of it per task) and gzipped (one unit, so one task streams all of it). It should not follow the
+    input's size."""
+    import gzip
+    import shutil
+
+    tiny = os.path.join(folder, "tiny.jsonl")
+    with open(corpus, "rb") as f, open(tiny, "wb") as out:
+        out.writelines(line for _, line in zip(range(100), f, strict=False))
+    packed = os.path.join(folder, "corpus.jsonl.gz")
+    with open(corpus, "rb") as f, gzip.open(packed, "wb", compresslevel=1) as out:
+        shutil.copyfileobj(f, out)
+    rows = {}
+    for name, path in (("tiny", tiny), ("plain", corpus), ("gzip", packed)):
+        one_task = ["--executor", "ray", "--task-bytes", str(64 << 30)]
+        row = ours([path], os.path.join(folder, f"mem-{name}"), "bytes", one_task)
+        rows[name] = {**row, "input_bytes": os.path.getsize(path)}
+    return rows
 
 
 def datatrove(python: str, folder: str, tokenizer: str, out: str) -> dict:
@@ -111,67 +136,96 @@ def merge_rate(prefix: str, folder: str) -> dict:
     return {"bytes": size, "seconds": seconds, "gb_per_s": size / seconds / 1e9}
 
 
+def compare(args: argparse.Namespace, corpus: str, inputs: list[str], tokenizers: dict, folder: str) -> dict:
+    rows = {}
+    for name in args.tokenizers.split(","):
+        ours_tok, hf_tok = tokenizers[name]
+        row: dict = {}
+        row["ours_workers_2"] = ours(inputs, os.path.join(folder, f"{name}-w2"), ours_tok, ["--workers", "2"])
+        row["ours_ray"] = ours(inputs, os.path.join(folder, f"{name}-ray"), ours_tok, ["--executor", "ray"])
+        row["identical"] = same(os.path.join(folder, f"{name}-w2_text_document"),
+                                os.path.join(folder, f"{name}-ray_text_document"))  # fmt: skip
+        if args.datatrove_python and not args.only_ours:
+            row["datatrove"] = datatrove(args.datatrove_python, os.path.join(folder, "in"), hf_tok,
+                                         os.path.join(folder, f"{name}-dt"))  # fmt: skip
+        if not args.only_ours:
+            kind = "bytes" if name == "bytes" else "hf"
+            row["preprocess_data_py"] = megatron_recreation(corpus, kind, hf_tok, os.path.join(folder, f"{name}-meg"))
+        for value in row.values():
+            if isinstance(value, dict):
+                value["docs_per_s"] = value["documents"] / value["seconds"]
+                value["tokens_per_s"] = value["tokens"] / value["seconds"]
+        row["ray_over_workers_2"] = row["ours_ray"]["docs_per_s"] / row["ours_workers_2"]["docs_per_s"]
+        if "datatrove" in row:
+            row["ray_over_datatrove"] = row["ours_ray"]["docs_per_s"] / row["datatrove"]["docs_per_s"]
+        rows[name] = row
+        print(name, json.dumps(row), flush=True)
+    return rows
+
+
+def scaling(args: argparse.Namespace, inputs: list[str], bpe: str, corpus_bytes: int, folder: str) -> dict:
+    """BPE: one core (Rust threads off), two worker processes, and Ray with 2..32 tasks of equal size."""
+    one_core = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    rows = {
+        "one_core": ours(inputs, os.path.join(folder, "s-w1"), bpe, ["--workers", "1"], one_core),
+        "workers_2": ours(inputs, os.path.join(folder, "s-w2"), bpe, ["--workers", "2"]),
+    }
+    for count in [int(c) for c in args.task_counts.split(",") if c]:
+        task_bytes = -(-corpus_bytes // count)
+        rows[f"ray_{count}_tasks"] = ours(inputs, os.path.join(folder, f"s-{count}"), bpe,
+                                          ["--executor", "ray", "--task-bytes", str(task_bytes)])  # fmt: skip
+    for value in rows.values():
+        value["docs_per_s"] = value["documents"] / value["seconds"]
+        value["tokens_per_s"] = value["tokens"] / value["seconds"]
+    print("scaling", json.dumps(rows), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=100_000)
     parser.add_argument("--datatrove-python", default=os.environ.get("DATATROVE_PYTHON", ""))
     parser.add_argument("--tokenizers", default="bytes,bpe")
+    parser.add_argument("--sections", default="compare,scaling,memory,merge")
     parser.add_argument("--task-counts", default="2,4,8,16,32", help="Ray tasks for the scaling rows (BPE)")
-    parser.add_argument("--only-ours", action="store_true", help="ours --workers 2 and Ray only (a larger corpus)")
+    parser.add_argument("--only-ours", action="store_true", help="compare: ours --workers 2 and Ray only")
     parser.add_argument("--out", default="bench_preprocess_ray.json", help="file name under benchmarks/results")
     args = parser.parse_args()
+    sections = args.sections.split(",")
     corpus = ensure_corpus(args.docs)["path"]
     corpus_bytes = os.path.getsize(corpus)
-    results: dict = {"docs": args.docs, "corpus_bytes": corpus_bytes, "cpus": os.cpu_count(), "rows": {}}
+    out = os.path.join(HERE, "results", args.out)
+    results: dict = {}
+    if os.path.exists(out):  # a run of some sections updates those and keeps the rest
+        with open(out) as f:
+            results = json.load(f)
+    if results.get("docs") != args.docs:
+        results = {}
+    results.update({"docs": args.docs, "corpus_bytes": corpus_bytes, "cpus": os.cpu_count()})
     with tempfile.TemporaryDirectory() as folder:
         bpe_path = os.path.join(folder, "bpe.json")
         tokenizers = {"bytes": ("bytes", os.path.join(folder, "bytes.json")), "bpe": (bpe_path, bpe_path)}
-        train_tokenizer(corpus, tokenizers["bpe"][0])
+        train_tokenizer(corpus, bpe_path)
         byte_tokenizer(tokenizers["bytes"][1])
         inputs = split(corpus, os.path.join(folder, "in"), 8)
         for path in [*inputs, corpus]:  # warm the page cache
             with open(path, "rb") as f:
                 f.read()
-        for name in args.tokenizers.split(","):
-            ours_tok, hf_tok = tokenizers[name]
-            row: dict = {}
-            row["ours_workers_2"] = ours(inputs, os.path.join(folder, f"{name}-w2"), ours_tok, ["--workers", "2"])
-            row["ours_ray"] = ours(inputs, os.path.join(folder, f"{name}-ray"), ours_tok, ["--executor", "ray"])
-            row["identical"] = same(os.path.join(folder, f"{name}-w2_text_document"),
-                                    os.path.join(folder, f"{name}-ray_text_document"))  # fmt: skip
-            if args.datatrove_python and not args.only_ours:
-                row["datatrove"] = datatrove(args.datatrove_python, os.path.join(folder, "in"), hf_tok,
-                                             os.path.join(folder, f"{name}-dt"))  # fmt: skip
-            kind = "bytes" if name == "bytes" else "hf"
-            if not args.only_ours:
-                meg = os.path.join(folder, f"{name}-meg")
-                row["preprocess_data_py"] = megatron_recreation(corpus, kind, hf_tok, meg)
-            for value in row.values():
-                if isinstance(value, dict):
-                    value["docs_per_s"] = value["documents"] / value["seconds"]
-                    value["tokens_per_s"] = value["tokens"] / value["seconds"]
-            row["ray_over_workers_2"] = row["ours_ray"]["docs_per_s"] / row["ours_workers_2"]["docs_per_s"]
-            if "datatrove" in row:
-                row["ray_over_datatrove"] = row["ours_ray"]["docs_per_s"] / row["datatrove"]["docs_per_s"]
-            results["rows"][name] = row
-            print(name, json.dumps(row), flush=True)
-        if args.only_ours:
-            args.task_counts = ""
-        bpe = tokenizers["bpe"][0]
-        scaling = {"workers_1": ours(inputs, os.path.join(folder, "s-w1"), bpe, ["--workers", "1"])}
-        for count in [int(c) for c in args.task_counts.split(",") if c]:
-            task_bytes = -(-corpus_bytes // count)
-            scaling[f"ray_{count}_tasks"] = ours(inputs, os.path.join(folder, f"s-{count}"), bpe,
-                                                 ["--executor", "ray", "--task-bytes", str(task_bytes)])  # fmt: skip
-        for value in scaling.values():
-            value["docs_per_s"] = value["documents"] / value["seconds"]
-        results["scaling_bpe"] = scaling
-        print("scaling", json.dumps(scaling), flush=True)
-        first = args.tokenizers.split(",")[0]
-        results["merge"] = merge_rate(os.path.join(folder, f"{first}-w2_text_document"), folder)
-        print("merge", json.dumps(results["merge"]), flush=True)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", args.out), "w") as f:
+        if "compare" in sections:
+            results["rows"] = compare(args, corpus, inputs, tokenizers, folder)
+        if "scaling" in sections:
+            results["scaling_bpe"] = scaling(args, inputs, bpe_path, corpus_bytes, folder)
+        if "memory" in sections:
+            results["memory"] = memory_rows(corpus, folder)
+            print("memory", json.dumps(results["memory"]), flush=True)
+        if "merge" in sections:
+            prefix = os.path.join(folder, "bytes-w2")
+            if not os.path.exists(prefix + "_text_document.bin"):
+                ours(inputs, prefix, "bytes", ["--workers", "2"])
+            results["merge"] = merge_rate(prefix + "_text_document", folder)
+            print("merge", json.dumps(results["merge"]), flush=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(results, f, indent=1)
 
 

@@ -56,6 +56,7 @@ def test_ray_writes_the_bytes_of_local_workers(tmp_path):
                "--quiet")  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "3,000 documents" in run.stdout
+    assert "largest task memory:" in run.stdout and "MiB (peak RSS of a Ray worker)" in run.stdout
     for workers in (1, 2):
         preprocess(inputs, str(tmp_path / f"w{workers}"), json_keys=("text", "title"), workers=workers,
                    append_eod=True, show_progress=False)  # fmt: skip

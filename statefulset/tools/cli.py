@@ -178,7 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="local: --workers processes here; ray: Ray tasks that commit parts, merged in order, resumable",
     )
     p.add_argument("--ray-address", default=None, help="a Ray cluster to run on (default: start a local one)")
-    p.add_argument("--task-bytes", type=int, default=64 << 20, help="input bytes per Ray task (--executor ray)")
+    p.add_argument(
+        "--task-bytes",
+        type=int,
+        default=None,
+        help="input bytes per Ray task (default 64 MiB, less on a small input: about 8 tasks per CPU)",
+    )
     p.set_defaults(run=_preprocess)
 
     p = sub.add_parser("merge", help="concatenate shards (folders in natural order: part_2 before part_10)")

@@ -2,7 +2,8 @@
 
 The inputs (local paths or fsspec URLs) are cut into the units the local run uses (byte ranges of
 plain JSON lines, a gzip file, Parquet row groups), grouped in input order into tasks of about
-``task_bytes`` (less on a small input, so that every CPU of the cluster gets several tasks). Task
+``--task-bytes`` (by default 64 MiB, or less on a small input, so that every CPU of the cluster gets
+several tasks). Task
 ``i`` tokenises its units into the part shards ``<output>.parts/part-<i>_<key>_document`` and then
 writes ``part-<i>.done`` (counts, lines, bad lines): a part exists only once it is complete (the
 marker is written last, a rename locally, one ``put`` on object storage). A gzip file is streamed
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +41,7 @@ logger = logging.getLogger("statefulset")
 LOG_EVERY_S = 60.0
 TASKS_PER_CPU = 8
 MIN_TASK_BYTES = 4 << 20
+DEFAULT_TASK_BYTES = 64 << 20
 PLAN_THREADS = 32
 
 MANIFEST_VERSION = 1
@@ -171,8 +174,19 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
     for key, writer in writers.items():
         writer.close()
         staged[key].publish()
+    summary["peak_rss"] = _peak_rss()
     parts.write_text(f"part-{task.number:06d}.done", json.dumps(summary))  # the part is committed
     return summary
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory in bytes (0 where ``resource`` is missing)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def _manifest(paths: list[str], arguments: dict[str, Any]) -> dict[str, Any]:
@@ -198,10 +212,13 @@ def _check_manifest(parts: Folder, wanted: dict[str, Any], task_size: int) -> in
     return planned
 
 
-def task_size(task_bytes: int, total: int, cpus: int) -> int:
-    """``--task-bytes``, or less so that each CPU gets ``TASKS_PER_CPU`` tasks (a short tail when the
-    last tasks run alone), but never below ``MIN_TASK_BYTES`` (per-task costs stay small)."""
-    return max(1, min(task_bytes, max(MIN_TASK_BYTES, total // (TASKS_PER_CPU * max(cpus, 1)))))
+def task_size(task_bytes: int | None, total: int, cpus: int) -> int:
+    """``--task-bytes`` when given; else ``DEFAULT_TASK_BYTES``, or less so that each CPU gets
+    ``TASKS_PER_CPU`` tasks (a short tail when the last tasks run alone), but never below
+    ``MIN_TASK_BYTES`` (per-task costs stay small)."""
+    if task_bytes is not None:
+        return task_bytes
+    return min(DEFAULT_TASK_BYTES, max(MIN_TASK_BYTES, total // (TASKS_PER_CPU * max(cpus, 1))))
 
 
 @contextlib.contextmanager
@@ -252,6 +269,7 @@ class OrderedMerge:
             hint = f"; the committed parts in {self.parts.path} are kept for that rerun"
             local.count_bad_lines(result, unit["path"], unit["parquet"], first, unit["bad"], self.skip, hint)
         result.documents += summary["documents"]
+        result.peak_task_rss = max(result.peak_task_rss, summary.get("peak_rss", 0))
         for key, writer in self.writers.items():
             result.tokens[key] = result.tokens.get(key, 0) + summary["tokens"][key]
             with self.parts.local_shard(f"part-{number:06d}_{key}_document") as prefix:
@@ -321,12 +339,12 @@ def preprocess_ray(
     skip_bad_lines: bool = False,
     dtype: object = None,
     chunk_bytes: int = 1 << 20,
-    task_bytes: int = 64 << 20,
+    task_bytes: int | None = None,
     ray_address: str | None = None,
     show_progress: bool = True,
 ) -> local.PreprocessResult:
     """``statefulset preprocess --executor ray``: see the module docstring."""
-    if task_bytes < 1:
+    if task_bytes is not None and task_bytes < 1:
         raise StatefulsetError(f"--task-bytes must be positive, got {task_bytes}")
     began = time.perf_counter()
     spec, paths, keys, out_dtype, result = local.setup(

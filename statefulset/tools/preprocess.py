@@ -78,6 +78,7 @@ class PreprocessResult:
     eod: int | None = None  # the end-of-document token appended to each document, None when not asked
     eod_text: str | None = None  # its string in the vocabulary (None for the byte tokenizer's 256)
     skipped_tasks: int = 0  # --executor ray: committed parts of an earlier run that were kept
+    peak_task_rss: int = 0  # --executor ray: the largest peak resident memory of a task's process, bytes
 
     def summary(self) -> str:
         total = sum(self.tokens.values())
@@ -98,6 +99,8 @@ class PreprocessResult:
             lines.append(f"  ignored {self.blank_lines} blank lines")
         if self.skipped_tasks:
             lines.append(f"  resumed: kept {self.skipped_tasks} tasks committed by an earlier run")
+        if self.peak_task_rss:
+            lines.append(f"  largest task memory: {self.peak_task_rss / 2**20:,.0f} MiB (peak RSS of a Ray worker)")
         return "\n".join(lines)
 
 
