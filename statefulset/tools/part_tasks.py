@@ -43,6 +43,7 @@ TASKS_PER_CPU = 8
 MIN_TASK_BYTES = 4 << 20
 DEFAULT_TASK_BYTES = 64 << 20
 PLAN_THREADS = 32
+IN_FLIGHT_PER_CPU = 2  # tasks submitted ahead per CPU of the cluster: every CPU busy, the queue short
 
 MANIFEST_VERSION = 1
 
@@ -288,39 +289,52 @@ class OrderedMerge:
 
 def run_tasks(
     ray: Any, tasks: list[Task], parts: Folder, init_args: tuple, chunk_bytes: int, merge: OrderedMerge,
-    show_progress: bool,
+    window: int, show_progress: bool,
 ) -> int:  # fmt: skip
-    """Runs the tasks not yet committed, feeding the merge as parts commit; returns how many were kept."""
+    """Runs the tasks not yet committed, at most ``window`` in flight and submitted in input order (so the
+    merge follows close behind, and the driver's bookkeeping stays small with 100,000 tasks); feeds the
+    merge as parts commit; returns how many parts an earlier run had committed."""
     committed = {int(n[5:11]) for n in parts.names() if n.startswith("part-") and n.endswith(".done")}
     kept = len(committed)
     merge.advance(committed)
-    todo = [t for t in tasks if t.number not in committed]
-    progress = Progress("preprocess", sum(c.nbytes for t in todo for c in t.chunks), enabled=show_progress)
+    todo = iter([t for t in tasks if t.number not in committed])
+    progress = Progress("preprocess", sum(c.nbytes for t in tasks if t.number not in committed for c in t.chunks),
+                        enabled=show_progress)  # fmt: skip
     remote = ray.remote(max_retries=3, retry_exceptions=False)(run_task)  # a lost worker or node: retried
     shared = ray.put(init_args)  # the tokenizer's text, stored once rather than sent with every task
-    pending = {remote.remote(task, parts.path, shared, chunk_bytes): task for task in todo}
+    pending: dict[Any, Task] = {}
     try:
-        limit, last_news = no_news_limit(), time.monotonic()
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(LOG_EVERY_S, limit))
+        limit = no_news_limit()
+        last_news = last_log = time.monotonic()
+        while True:
+            while len(pending) < window and (task := next(todo, None)) is not None:
+                pending[remote.remote(task, parts.path, shared, chunk_bytes)] = task
+            if not pending:
+                break
+            # Every task finished within a second, in one call: O(window) per second, not per task.
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0)
+            now = time.monotonic()
             if not ready:
                 waiting = ", ".join(t.describe() for t in list(pending.values())[:3])
-                if time.monotonic() - last_news >= limit:
+                if now - last_news >= limit:
                     raise StatefulsetError(
                         f"--executor ray: no task finished in {limit:g} s (STATEFULSET_TASK_TIMEOUT); "
                         f"waiting for {len(pending)} tasks: {waiting}"
                     )
-                logger.info("statefulset: %d Ray tasks running or queued, e.g. %s", len(pending), waiting)
+                if now - last_log >= LOG_EVERY_S:
+                    logger.info("statefulset: %d Ray tasks running or queued, e.g. %s", len(pending), waiting)
+                    last_log = now
                 continue
-            task = pending.pop(ready[0])
-            try:
-                summary = ray.get(ready[0])
-            except ray.exceptions.RayError as exc:
-                raise StatefulsetError(f"{task.describe()}: failed on the Ray cluster: {exc}") from None
-            last_news = time.monotonic()
-            committed.add(task.number)
-            progress.note = f"{len(committed)}/{len(tasks)} tasks"
-            progress.update(summary["documents"], sum(summary["tokens"].values()), summary["bytes"])
+            last_news = now
+            for ref in ready:
+                task = pending.pop(ref)
+                try:
+                    summary = ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    raise StatefulsetError(f"{task.describe()}: failed on the Ray cluster: {exc}") from None
+                committed.add(task.number)
+                progress.note = f"{len(committed)}/{len(tasks)} tasks"
+                progress.update(summary["documents"], sum(summary["tokens"].values()), summary["bytes"])
             merge.advance(committed)
     finally:
         progress.close()
@@ -362,7 +376,8 @@ def preprocess_ray(
         tasks = plan(paths, keys, _check_manifest(parts, wanted, size))
         merge = OrderedMerge(parts, tasks, result, out_dtype, skip_bad_lines)
         try:
-            result.skipped_tasks = run_tasks(ray, tasks, parts, init_args, chunk_bytes, merge, show_progress)
+            window = max(IN_FLIGHT_PER_CPU * cpus, 4)
+            result.skipped_tasks = run_tasks(ray, tasks, parts, init_args, chunk_bytes, merge, window, show_progress)
         except BaseException:
             merge.abort()
             raise
