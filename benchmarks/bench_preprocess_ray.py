@@ -181,6 +181,44 @@ def scaling(args: argparse.Namespace, inputs: list[str], bpe: str, corpus_bytes:
     return rows
 
 
+def render(results: dict, large: dict | None) -> str:
+    """The markdown tables of docs/benchmarks.md from the saved figures."""
+    names = {"ours_workers_2": "statefulset `--workers 2`", "ours_ray": "statefulset `--executor ray` (local Ray)",
+             "datatrove": "datatrove `MegatronDocumentTokenizer`, 8 tasks, 2 workers",
+             "preprocess_data_py": "`preprocess_data.py` loop, 2 workers"}  # fmt: skip
+    out = [
+        "| tokenizer | tool | s | docs/s | tokens/s | vs `--workers 2` | Ray vs this |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tok, row in results["rows"].items():
+        base = row["ours_workers_2"]["docs_per_s"]
+        for key, label in names.items():
+            if key in row:
+                r = row[key]
+                ray = row["ours_ray"]["docs_per_s"] / r["docs_per_s"]
+                rate = f"{r['tokens_per_s'] / 1e6:.2f}M"
+                out.append(f"| {tok} | {label} | {r['seconds']:.1f} | {r['docs_per_s']:,.0f} | {rate} | "
+                           f"{r['docs_per_s'] / base:.2f}x | {ray:.2f}x |")  # fmt: skip
+    if large:
+        row = large["rows"]["bpe"]
+        w2, ray = row["ours_workers_2"], row["ours_ray"]
+        out += ["", f"{large['docs']:,} documents ({large['corpus_bytes'] / 1e6:,.0f} MB), BPE: `--workers 2` "
+                f"{w2['seconds']:.1f} s, `--executor ray` {ray['seconds']:.1f} s: Ray at "
+                f"{row['ray_over_workers_2']:.2f}x; outputs identical: {row['identical']}."]  # fmt: skip
+    scale = results["scaling_bpe"]
+    out += ["", "| BPE, 100k documents | s | docs/s | tokens/s | peak task memory |", "|---|---|---|---|---|"]
+    for key, r in scale.items():
+        mem = f"{r['peak_task_mib']} MiB" if "peak_task_mib" in r else "-"
+        out.append(f"| {key.replace('_', ' ')} | {r['seconds']:.1f} | {r['docs_per_s']:,.0f} | "
+                   f"{r['tokens_per_s'] / 1e6:.2f}M | {mem} |")  # fmt: skip
+    out += ["", "| memory: input (bytes tokenizer, Ray) | input bytes | peak task memory |", "|---|---|---|"]
+    for key, r in results["memory"].items():
+        out.append(f"| {key} | {r['input_bytes']:,} | {r['peak_task_mib']} MiB |")
+    m = results["merge"]
+    out += ["", f"Merge alone: {m['bytes']:,} bytes in {m['seconds']:.2f} s ({m['gb_per_s']:.2f} GB/s)."]
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=100_000)
@@ -190,7 +228,15 @@ def main() -> None:
     parser.add_argument("--task-counts", default="2,4,8,16,32", help="Ray tasks for the scaling rows (BPE)")
     parser.add_argument("--only-ours", action="store_true", help="compare: ours --workers 2 and Ray only")
     parser.add_argument("--out", default="bench_preprocess_ray.json", help="file name under benchmarks/results")
+    parser.add_argument("--render", action="store_true", help="print the markdown tables of the saved figures")
     args = parser.parse_args()
+    if args.render:
+        with open(os.path.join(HERE, "results", "bench_preprocess_ray.json")) as f:
+            results = json.load(f)
+        large_path = os.path.join(HERE, "results", "bench_preprocess_ray_400k.json")
+        large = json.load(open(large_path)) if os.path.exists(large_path) else None  # noqa: SIM115
+        print(render(results, large))
+        return
     sections = args.sections.split(",")
     corpus = ensure_corpus(args.docs)["path"]
     corpus_bytes = os.path.getsize(corpus)

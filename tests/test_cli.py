@@ -48,6 +48,12 @@ def test_errors_are_one_line_with_exit_code(tmp_path):
     assert "bad.jsonl:2: invalid JSON" in run.stderr and "Traceback" not in run.stderr
     run = cli("merge", "--input", tmp_path / "nothing", "--output-prefix", tmp_path / "o")
     assert run.returncode == 2 and "neither a folder of shards nor a prefix" in run.stderr
+    # Options of the other executor are refused rather than ignored.
+    source = ["preprocess", "--input", tmp_path / "bad.jsonl", "--output-prefix", tmp_path / "o"]
+    run = cli(*source, "--executor", "ray", "--workers", "4")
+    assert run.returncode == 2 and "--workers applies to --executor local" in run.stderr
+    run = cli(*source, "--task-bytes", "1000")
+    assert run.returncode == 2 and "--task-bytes and --ray-address apply to --executor ray" in run.stderr
 
 
 def test_inspect_reports_a_corrupt_shard(tmp_path):

@@ -25,6 +25,10 @@ def _preprocess(args: argparse.Namespace) -> int:
         "chunk_bytes": args.chunk_bytes,
         "show_progress": not args.quiet,
     }
+    if args.executor == "ray" and args.workers is not None:
+        raise StatefulsetError("--workers applies to --executor local (with --executor ray, every CPU of Ray works)")
+    if args.executor == "local" and (args.task_bytes is not None or args.ray_address is not None):
+        raise StatefulsetError("--task-bytes and --ray-address apply to --executor ray")
     if args.executor == "ray":
         from statefulset.tools.part_tasks import preprocess_ray
 
@@ -32,7 +36,7 @@ def _preprocess(args: argparse.Namespace) -> int:
             args.input, args.output_prefix, task_bytes=args.task_bytes, ray_address=args.ray_address, **common
         )
     else:
-        result = preprocess(args.input, args.output_prefix, workers=args.workers, **common)
+        result = preprocess(args.input, args.output_prefix, workers=args.workers or 1, **common)
     print(result.summary())
     return 0
 
@@ -166,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eod-token", default=None, help="end-of-document token of a Hugging Face tokenizer")
     p.add_argument("--no-special-tokens", action="store_true", help="do not add the tokenizer's BOS/EOS etc.")
     p.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
-    p.add_argument("--workers", type=int, default=1, help="worker processes; output order is input order")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default 1); output is in input order")
     p.add_argument("--dtype", default=None, help="token dtype (default: uint16 if the vocabulary fits, else int32)")
     p.add_argument("--skip-bad-lines", action="store_true", help="count and report malformed lines, go on")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
