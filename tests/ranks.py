@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import os
 import uuid
 import warnings
 from pathlib import Path
@@ -25,6 +26,11 @@ def init_rank(rank: int, world: int, init_file: str) -> None:
     # Ranks launched by torchrun on Linux fork their workers; so do these.
     multiprocessing.set_start_method("fork", force=True)
     torch.set_num_threads(1)
+    # Gloo's init (and new_group's) returns on a rank before its peers have finished connecting to
+    # it; a rank that then exits (a test whose rank refuses at once) made a peer fail with "Gloo
+    # connectFullMesh failed ... Connection closed by peer". torch's store barrier after each
+    # group's creation keeps every rank in until all are connected (tests/test_ranks.py).
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
