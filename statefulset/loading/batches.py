@@ -83,6 +83,8 @@ class BatchRing:
             at += bundle * batch_size * _row_bytes(field)
         self.slot_bytes = -(-at // 8) * 8
         self.block = torch.empty(workers * slots * self.slot_bytes, dtype=torch.uint8).share_memory_()
+        # Raised by each worker as its first act (statefulset.loading.worker_start watches them).
+        self.started = torch.zeros(workers, dtype=torch.int8).share_memory_()
         self._flat = self.block.numpy()
         self._views: dict[tuple[int, int], dict[str, numpy.ndarray]] = {}
 
@@ -173,6 +175,7 @@ class BatchSource(IterableDataset):
         ring = self.ring
         if ring is None:
             raise StatefulsetError("internal: a worker started without its batch ring")
+        ring.started[info.id] = 1
         t = None
         try:
             bundles = 0
@@ -234,13 +237,14 @@ def describe_batch(source: BatchSource, t: int, workers: int) -> str:
     bundle = source.ring.bundle if source.ring is not None else 1
     worker = (t - source.cursor.batches) // bundle % workers if workers else 0
     who = f"DataLoader worker {worker} of {workers}" if workers else "the trainer process"
+    started = source.ring is None or bool(source.ring.started[worker])
     positions = source.positions(t)
     try:
         files = sorted({source.stream.explain(int(p)).source for p in positions})
         reads = ", ".join(f + ".bin" for f in files)
     except Exception:  # the report must not fail on a stream that cannot explain itself
         reads = "?"
+    doing = "was building" if started else "has not started; it is to build"
     return (
-        f"{who} was building micro-batch {t} (stream positions {int(positions[0])}..{int(positions[-1])}), "
-        f"reading {reads}"
+        f"{who} {doing} micro-batch {t} (stream positions {int(positions[0])}..{int(positions[-1])}), reading {reads}"
     )

@@ -3,7 +3,7 @@
 Worker ``w`` of ``N`` builds batches ``t ≡ w (mod N)`` of this rank's layout, each with one
 batched ``stream.gather`` into a shared-memory ring (:mod:`statefulset.loading.batches`);
 ``torch.utils.data.DataLoader`` delivers them round-robin, which is batch order, under a
-watchdog (:mod:`statefulset.loading.watchdog`). The main process counts the batches it hands
+watchdog (:mod:`statefulset.loading.delivery`). The main process counts the batches it hands
 to the trainer, so a save is that count plus the layout (:mod:`statefulset.loading.state`): it
 never counts prefetched batches, never asks a worker anything, and a restore is a seek (no
 replay), whatever the step.
@@ -16,12 +16,10 @@ from typing import Any
 import msgpack
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from statefulset.errors import StatefulsetError, check_int
-from statefulset.index.native.keys import derive_key
-from statefulset.loading.batches import BatchRing, BatchSource, bundle_size, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
+from statefulset.loading.delivery import Delivery
 from statefulset.loading.state import (
     Cursor,
     fit_global_state,
@@ -31,89 +29,10 @@ from statefulset.loading.state import (
 )
 from statefulset.loading.state import decode as decode_state
 from statefulset.loading.state import encode as encode_state
-from statefulset.loading.watchdog import TimedOut, Watchdog
+from statefulset.loading.watchdog import Watchdog
 from statefulset.loading.worker_config import WorkerConfig
 from statefulset.parallel.arrival import DEFAULT_TIMEOUT, check_timeout, meet
 from statefulset.parallel.exchange import gather_bytes, scatter_bytes
-
-
-def _identity(item: Any) -> Any:
-    return item  # batches are (worker, slot, t) notes or ready tensors: nothing to collate
-
-
-def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]) -> tuple[DataLoader, BatchSource]:
-    stream = dataset.stream
-    wrap = None if stream.unbounded or not dataset.repeat else len(stream)
-    workers = dataset.worker_config.num_workers
-    ring = None
-    if workers:
-        slots = options["prefetch_factor"] + 1  # see statefulset.loading.batches
-        fields = dataset.fields()
-        ring = BatchRing(workers, slots, dataset.batch_size, fields, bundle_size(dataset.batch_size, fields))
-    source = BatchSource(stream, cursor, dataset.stop_batch(cursor), wrap, ring, dataset.document_boundaries)
-    # Worker seeds come from our own generator: creating the iterator never draws from (or
-    # reseeds) the trainer's global torch RNG.
-    seed = derive_key(stream.spec.seed, dataset.worker_config.seed_offset, dataset.worker_config.rank) >> 1
-    loader = DataLoader(
-        source,
-        batch_size=None,
-        collate_fn=_identity,
-        num_workers=workers,
-        prefetch_factor=options["prefetch_factor"] if workers else None,
-        persistent_workers=options["persistent_workers"] and workers > 0,
-        multiprocessing_context=options["multiprocessing_context"] if workers else None,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    return loader, source
-
-
-class _Delivery:
-    """One pass of a DataLoader: batches in order, watched, widened, pinned if asked."""
-
-    def __init__(self, dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]) -> None:
-        self.loader, self.source = _data_loader(dataset, cursor, options)
-        self.workers = dataset.worker_config.num_workers
-        self.iterator = iter(self.loader)
-        self.watchdog: Watchdog = options["watchdog"]
-        self.timeout = options["timeout"]
-        self.pin = options["pin_memory"] and torch.cuda.is_available()
-        self.next_t = cursor.batches
-        self.first = True
-        self.ready: list[dict[str, torch.Tensor]] = []  # the rest of a worker's bundle, last first
-        self.ready: list[dict[str, torch.Tensor]] = []
-
-    def _get(self, period: float | None) -> Any:
-        if not self.workers:
-            return next(self.iterator)
-        # DataLoader reads its timeout for each batch; a timed-out wait leaves the iterator intact.
-        limits = [x for x in (period, self.timeout or None) if x]
-        self.iterator._timeout = min(limits) if limits else 0
-        try:
-            return next(self.iterator)
-        except RuntimeError as exc:
-            text = str(exc)
-            if "timed out" in text and period is not None and (not self.timeout or period < self.timeout):
-                raise TimedOut from None
-            if "exited unexpectedly" in text or "timed out" in text:
-                raise StatefulsetError(f"{describe_batch(self.source, self.next_t, self.workers)}: {text}") from exc
-            raise
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        if not self.ready:
-            item = self.watchdog.wait(
-                self._get, self.first, lambda: describe_batch(self.source, self.next_t, self.workers)
-            )
-            self.ready = receive(self.source, item, self.next_t)
-            self.ready.reverse()
-        batch = self.ready.pop()
-        self.next_t += 1
-        self.first = False
-        if self.pin:
-            batch = {k: v.pin_memory() for k, v in batch.items()}
-        return batch
-
-    def __iter__(self) -> _Delivery:
-        return self
 
 
 def _options(
@@ -145,7 +64,7 @@ class Loader:
         self._options = _options(**options)
 
     def __iter__(self):
-        return _Delivery(self.dataset, self.dataset.layout(), self._options)
+        return Delivery(self.dataset, self.dataset.layout(), self._options)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -174,7 +93,7 @@ class SavableLoader:
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> SavableLoader:
         if self._iterator is None:
-            self._iterator = _Delivery(self.dataset, self._cursor, self._options)
+            self._iterator = Delivery(self.dataset, self._cursor, self._options)
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,119 @@
+"""Forked DataLoader workers that never start: noticed within seconds, started again.
+
+A forked child can deadlock before it runs a line of Python: if another thread of the trainer
+held one of CPython's internal locks at the instant of the fork (a thread being created or
+ending, or a C++ thread taking the GIL), the child waits for that lock
+forever (CPython gh-112275, in ``PyOS_AfterFork_Child``). Measured here on Python 3.11.7: 3 of 46
+runs of ``tests/test_dcp.py`` (4 gloo ranks, each forking 3 workers after a checkpoint) had a
+worker stuck so; the trainer then waited for its first batch until the watchdog's 10 minutes.
+
+Each worker raises its flag in the batch ring as its first act (:mod:`statefulset.loading.batches`),
+milliseconds after the fork. While a flag is down the loader looks every second; a worker still
+silent ``STATEFULSET_WORKER_START_TIMEOUT`` seconds (default 30) after the fork is taken for dead:
+the workers are stopped and started again from the next undelivered micro-batch, which gives the
+same batches (they are a function of the batch number). After ``MAX_STARTS`` tries the loader
+raises a ``StatefulsetError`` naming the workers and what to do. Workers made by ``spawn`` or
+``forkserver`` start from a fresh interpreter and cannot hit this; they are not watched (they
+may take many seconds to import torch).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from typing import Any
+
+from statefulset.errors import StatefulsetError
+
+log = logging.getLogger("statefulset")
+DEFAULT_START_TIMEOUT = 30.0
+MAX_STARTS = 4
+POLL_SECONDS = 1.0
+
+
+def start_timeout() -> float:
+    raw = os.environ.get("STATEFULSET_WORKER_START_TIMEOUT", "")
+    if not raw.strip():
+        return DEFAULT_START_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise StatefulsetError(f"STATEFULSET_WORKER_START_TIMEOUT must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def forks(context: Any) -> bool:
+    """Whether a DataLoader given ``multiprocessing_context=context`` forks its workers."""
+    if context is None:
+        return multiprocessing.get_start_method() == "fork"
+    if isinstance(context, str):
+        return context == "fork"
+    return context.get_start_method() == "fork"
+
+
+class StartWatch:
+    """Watches one DataLoader iterator's workers until every one has raised its start flag."""
+
+    def __init__(self, context: Any) -> None:
+        self.forking = forks(context)
+        self.timeout = start_timeout() if self.forking else 0.0
+        self.starts = 0
+        self.active = False
+
+    def watch(self, flags: Any) -> None:
+        """Watch a new set of workers (``flags``: their shared int8 start flags), just forked."""
+        self.flags, self.since, self.active = flags, time.monotonic(), self.forking
+        self.starts += 1
+
+    def pending(self) -> bool:
+        if self.active and bool(self.flags.all()):
+            self.active = False
+        return self.active
+
+    def unstarted(self, iterator: Any) -> list[tuple[int, int | None]]:
+        """``(worker, pid)`` of the workers whose flag is down, once the start timeout has passed."""
+        if not self.pending() or time.monotonic() - self.since < self.timeout:
+            return []
+        workers = getattr(iterator, "_workers", [])
+        return [(w, workers[w].pid if w < len(workers) else None) for w in range(len(self.flags)) if not self.flags[w]]
+
+    def restarted(self, stuck: list[tuple[int, int | None]], next_t: int) -> None:
+        """Say that the workers start again (after :func:`stop_workers`), or raise after ``MAX_STARTS``."""
+        named = ", ".join(f"{w} (pid {pid})" for w, pid in stuck)
+        if self.starts >= MAX_STARTS:
+            raise StatefulsetError(
+                f"DataLoader worker(s) {named} did not start within {self.timeout:g} s of being forked, "
+                f"{self.starts} times in a row: a forked worker deadlocks at birth when another thread of "
+                "the trainer holds one of CPython's internal locks at the fork (CPython gh-112275). Pass "
+                "multiprocessing_context='forkserver' to the loader, or raise "
+                "STATEFULSET_WORKER_START_TIMEOUT if your workers are only slow to start"
+            )
+        log.warning(
+            "statefulset: DataLoader worker(s) %s did not start within %g s of being forked (a fork "
+            "deadlock, CPython gh-112275); starting the workers again from micro-batch %d (try %d of %d)",
+            named,
+            self.timeout,
+            next_t,
+            self.starts + 1,
+            MAX_STARTS,
+        )
+
+
+def stop_workers(iterator: Any, stuck: list[tuple[int, int | None]]) -> None:
+    """Stop a DataLoader iterator's workers, the ``stuck`` ones (running no Python) by SIGKILL."""
+    from torch.utils.data._utils import signal_handling
+
+    # Off torch's SIGCHLD watch first: a watched worker that dies by a signal makes the trainer raise.
+    if getattr(iterator, "_worker_pids_set", False):
+        signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
+    workers = getattr(iterator, "_workers", [])
+    for w, _ in stuck:
+        if w < len(workers) and workers[w].is_alive():
+            workers[w].kill()  # not SIGTERM: the child may have inherited a handler it never runs
+            workers[w].join(timeout=5)
+    iterator._shutdown_workers()  # the started ones leave on their done event

@@ -1,0 +1,139 @@
+"""Forked workers that never start (CPython gh-112275) are noticed within seconds and started again.
+
+The real fault, a child deadlocked in ``PyOS_AfterFork_Child`` on a lock another thread of the
+trainer held at the fork, comes about once in hundreds of forks (tests/test_dcp.py hit it). Here
+it is made certain: a fork handler of this test process stops chosen children (SIGSTOP) before
+they run a line of the DataLoader's worker, so from the trainer they look exactly like one that
+deadlocked. The loader must start the workers again and deliver the very batches of an
+undisturbed run, or give up with an error that says what happened, in bounded time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import time
+
+import numpy
+import pytest
+import torch
+
+from statefulset import IndexedDatasetWriter, StatefulsetError, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset.loading.worker_start import MAX_STARTS, forks, start_timeout
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+# Fork n of this process (counted by the parent, so each child knows its own number) stops itself
+# when n is in "stop"; "all" stops every child. Empty outside these tests.
+_FREEZE: dict = {"n": 0, "stop": set(), "all": False, "pids": []}
+
+
+def _count_fork() -> None:
+    _FREEZE["n"] += 1
+
+
+def _maybe_stop() -> None:
+    if _FREEZE["all"] or _FREEZE["n"] in _FREEZE["stop"]:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+os.register_at_fork(before=_count_fork, after_in_child=_maybe_stop)
+
+
+@pytest.fixture
+def freeze(monkeypatch):
+    monkeypatch.setenv("STATEFULSET_WORKER_START_TIMEOUT", "2")
+
+    def arm(*forks_to_stop: int, every: bool = False) -> None:
+        base = _FREEZE["n"]
+        _FREEZE["stop"] = {base + k for k in forks_to_stop}
+        _FREEZE["all"] = every
+
+    yield arm
+    _FREEZE["stop"], _FREEZE["all"] = set(), False
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    root = tmp_path_factory.mktemp("start")
+    rng = numpy.random.default_rng(5)
+    with IndexedDatasetWriter(root / "a") as w:
+        for _ in range(400):
+            w.add_document(rng.integers(0, 60000, int(rng.geometric(1 / 60))))
+    return {"data_path": str(root / "a"), "seq_length": 1024, "packing": "native", "path_to_cache": str(root / "c")}
+
+
+def _loader(spec, workers=2, batches_before=0):
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
+    # 128 rows of 1,025 uint16 tokens: a batch of 256 KiB, so a worker hands over one batch at a time
+    loader = get_savable_loader(get_train_dataset(spec, batch_size=128, worker_config=wc))
+    if batches_before:
+        loader.restore_state_rank({**loader.save_state_rank(), "batches": batches_before})
+    return loader
+
+
+def _take(loader, n):
+    return [(b["sample_id"].clone(), b["text"].clone()) for _, b in zip(range(n), loader, strict=False)]
+
+
+def _live_stopped(pids) -> list[int]:
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "T":
+                    found.append(pid)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("stuck_fork", [1, 2], ids=["worker0", "worker1"])
+def test_a_worker_stuck_at_birth_is_started_again_and_the_batches_are_exact(spec, freeze, caplog, stuck_fork):
+    expected = _take(_loader(spec, workers=0), 12)
+    freeze(stuck_fork)  # fork 1 is worker 0, fork 2 worker 1
+    loader = _loader(spec)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="statefulset"):
+        got = _take(loader, 12)
+    elapsed = time.monotonic() - started
+    for (ia, ta), (ib, tb) in zip(got, expected, strict=True):
+        assert torch.equal(ia, ib) and torch.equal(ta, tb)
+    worker = stuck_fork - 1
+    assert f"DataLoader worker(s) {worker} (pid" in caplog.text and "gh-112275" in caplog.text
+    assert "starting the workers again from micro-batch" in caplog.text
+    assert elapsed < 30  # noticed after the 2 s start timeout, not the watchdog's minutes
+    # The stuck process was killed, not left behind stopped.
+    pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", caplog.text)]
+    assert pids and not _live_stopped(pids)
+
+
+def test_a_resumed_loader_starts_again_from_its_own_next_batch(spec, freeze, caplog):
+    expected = _take(_loader(spec, workers=0, batches_before=7), 6)
+    freeze(1)
+    with caplog.at_level(logging.WARNING, logger="statefulset"):
+        got = _take(_loader(spec, batches_before=7), 6)
+    assert "from micro-batch 7" in caplog.text
+    for (ia, ta), (ib, tb) in zip(got, expected, strict=True):
+        assert torch.equal(ia, ib) and torch.equal(ta, tb)
+
+
+def test_workers_that_never_start_end_in_an_error_that_says_why(spec, freeze):
+    freeze(every=True)
+    started = time.monotonic()
+    with pytest.raises(StatefulsetError) as error:
+        _take(_loader(spec), 1)
+    text = str(error.value)
+    assert f"did not start within 2 s of being forked, {MAX_STARTS} times in a row" in text
+    assert "gh-112275" in text and "multiprocessing_context='forkserver'" in text
+    assert time.monotonic() - started < MAX_STARTS * 2 + 20
+
+
+def test_only_forked_workers_are_watched(monkeypatch):
+    assert forks("fork") and not forks("spawn") and not forks("forkserver")
+    assert not forks(torch.multiprocessing.get_context("spawn"))
+    monkeypatch.setenv("STATEFULSET_WORKER_START_TIMEOUT", "soon")
+    with pytest.raises(StatefulsetError, match="STATEFULSET_WORKER_START_TIMEOUT must be a positive number"):
+        start_timeout()
