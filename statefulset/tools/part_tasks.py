@@ -99,24 +99,28 @@ def span_chunks(path: str, start: int, nbytes: int, chunk_bytes: int) -> Iterato
         if start > 0:
             f.seek(start - 1)
             f.readline()  # the line running into the range began before it: the previous range's
-        pos, data = f.tell(), b""
+        # Each block is searched once and appended to a bytearray: a line spanning many blocks costs
+        # linear time (``bytes +=`` and rescanning from the start were quadratic in its length).
+        pos, data = f.tell(), bytearray()
         while pos < end:
             block = f.read(chunk_bytes)
+            seen = len(data)  # data[:seen] holds no newline from the search start on
             data += block
             limit = end - pos  # where the range ends, relative to data
             if len(data) >= limit:  # the range's last line ends at the first newline from its last byte on
-                stop = data.find(b"\n", limit - 1)
+                stop = data.find(b"\n", max(limit - 1, seen))
                 if stop >= 0 or not block:
-                    yield _lines_unit(path, data if stop < 0 else data[: stop + 1])
+                    yield _lines_unit(path, bytes(data if stop < 0 else data[: stop + 1]))
                     return
                 continue
             if not block:  # the end of the file
                 if data:
-                    yield _lines_unit(path, data)
+                    yield _lines_unit(path, bytes(data))
                 return
-            cut = data.rfind(b"\n") + 1
-            if cut:
-                yield _lines_unit(path, data[:cut])
+            last = block.rfind(b"\n")  # data[:seen] ends after the previous cut: no newline in it
+            if last >= 0:
+                cut = seen + last + 1
+                yield _lines_unit(path, bytes(data[:cut]))
                 pos, data = pos + cut, data[cut:]
 
 
