@@ -180,3 +180,35 @@ def test_unwritable_places_are_named(tmp_path):
     (tmp_path / "e.bin").write_bytes(b"")
     with pytest.raises(StatefulsetError, match=r"e\.idx: not a regular file"):
         IndexedDataset(tmp_path / "e")
+
+
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_index_only_merge_equals_a_full_merge_with_the_bins_concatenated(tmp_path, multimodal):
+    """add_index_only (a store concatenates the .bin parts) writes the index add_index writes."""
+    rng = numpy.random.default_rng(3)
+    parts = []
+    for p in range(3):
+        prefix = str(tmp_path / f"part{p}")
+        with IndexedDatasetWriter(prefix, numpy.uint16, multimodal=multimodal) as w:
+            for _ in range(int(rng.integers(0, 6))):
+                lengths = rng.integers(0, 9, size=int(rng.integers(1, 4)))
+                tokens = rng.integers(0, 65535, size=int(lengths.sum()))
+                w.add_document(tokens, lengths=lengths.tolist(), modes=[1] * lengths.size if multimodal else None)
+        parts.append(prefix)
+    with IndexedDatasetWriter(tmp_path / "full", numpy.uint16, multimodal=multimodal) as full:
+        for prefix in parts:
+            full.add_index(prefix)
+    with IndexedDatasetWriter(tmp_path / "only", numpy.uint16, multimodal=multimodal) as only:
+        for prefix in parts:
+            only.add_index_only(prefix + ".idx", os.path.getsize(prefix + ".bin"))
+    read = lambda path: (tmp_path / path).read_bytes()  # noqa: E731
+    assert read("only.idx") == read("full.idx")
+    assert read("only.bin") == b""  # the tokens are the caller's to place
+    assert read("full.bin") == b"".join(read(p + ".bin") for p in parts)
+    with IndexedDatasetWriter(tmp_path / "bad", numpy.uint16, multimodal=multimodal) as bad:
+        with pytest.raises(StatefulsetError, match=r"part1\.idx"):
+            bad.add_index_only(parts[1] + ".idx", os.path.getsize(parts[1] + ".bin") + 2)
+        with pytest.raises(StatefulsetError, match="dtype"):
+            with IndexedDatasetWriter(tmp_path / "wide", numpy.int32, multimodal=multimodal) as wide:
+                wide.add_document([1], modes=[0] if multimodal else None)
+            bad.add_index_only(str(tmp_path / "wide.idx"), 4)

@@ -17,6 +17,7 @@ from statefulset.errors import StatefulsetError
 from statefulset.shards import idx_format
 from statefulset.shards.direct_io import SequentialWriter
 from statefulset.shards.reader import IndexedDataset, _prefix_str
+from statefulset.shards.storage import map_file
 from statefulset.shards.temporaries import hold, release, sweep, temp_path
 
 _INT32_MAX = numpy.iinfo(numpy.int32).max
@@ -294,22 +295,42 @@ class IndexedDatasetWriter:
                 f"{source.path_prefix}: dtype {source.dtype} differs from {self.dtype} of the merge into "
                 f"{self.path_prefix}; shards of different dtypes cannot be merged"
             )
-        self._spill()
-        chunk = idx_format.CHUNK
-        for start in range(0, len(source), chunk):
-            self._lengths_spill.write(source.sequence_lengths[start : start + chunk].tobytes())
-            if self.multimodal:
-                self._modes_spill.write(source.sequence_modes[start : start + chunk].tobytes())
-        boundaries = source.document_indices
-        for start in range(1, boundaries.size, chunk):
-            shifted = boundaries[start : start + chunk] + self.sequence_count
-            self._documents_spill.write(shifted.astype(idx_format.DOCUMENT_DTYPE).tobytes())
+        self._append_index(source.sequence_lengths, source.document_indices, source.sequence_modes)
         block = bytearray(_COPY_BYTES)  # one reused buffer: fresh pages are what costs here
         with source._bin_file.open() as f:
             while n := f.readinto(block):
                 self._bin.write(memoryview(block)[:n])
         self.sequence_count += len(source)
         self.document_count += source.num_documents
+
+    def add_index_only(self, idx_path: str, bin_size: int) -> None:
+        """Append a shard's index without its tokens, whose ``.bin`` of ``bin_size`` bytes the caller
+        places after the tokens so far (an object store concatenating parts by server-side copy)."""
+        self._check_open()
+        buffer = map_file(idx_path)
+        arrays = idx_format.decode_index(
+            buffer, idx_size=len(buffer), bin_size=bin_size, multimodal=self.multimodal, path=idx_path,
+            bin_path=f"its .bin ({bin_size} bytes)",
+        )  # fmt: skip
+        if arrays.header.dtype != self.dtype:
+            raise StatefulsetError(
+                f"{idx_path}: dtype {arrays.header.dtype} differs from {self.dtype} of the merge into "
+                f"{self.path_prefix}; shards of different dtypes cannot be merged"
+            )
+        self._append_index(arrays.sequence_lengths, arrays.document_indices, arrays.sequence_modes)
+        self.sequence_count += arrays.sequence_lengths.size
+        self.document_count += arrays.document_indices.size - 1
+
+    def _append_index(self, lengths: numpy.ndarray, boundaries: numpy.ndarray, modes: Any) -> None:
+        self._spill()
+        chunk = idx_format.CHUNK
+        for start in range(0, lengths.size, chunk):
+            self._lengths_spill.write(lengths[start : start + chunk].tobytes())
+            if self.multimodal:
+                self._modes_spill.write(modes[start : start + chunk].tobytes())
+        for start in range(1, boundaries.size, chunk):
+            shifted = boundaries[start : start + chunk] + self.sequence_count
+            self._documents_spill.write(shifted.astype(idx_format.DOCUMENT_DTYPE).tobytes())
 
     # -- finishing --------------------------------------------------------------------------
     def _spill(self) -> None:

@@ -1,0 +1,104 @@
+"""An S3 object assembled from others by server-side copy (statefulset.shards.object_assembly).
+
+The plan is checked as a property over random source sizes; the assembly runs against the S3 test
+server (moto), which enforces S3's 5 MiB minimum for every part but the last, so the sizes here are
+real: sources over 5 MiB are copied by the store, smaller ones gathered and uploaded.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from s3_servers import moto_server, upload
+
+from statefulset import StatefulsetError
+from statefulset.shards.object_assembly import assemble, plan_parts
+
+MiB = 1 << 20
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 60), max_size=25),
+    min_part=st.integers(1, 12),
+    extra=st.integers(0, 20),
+)
+def test_plan_covers_the_sources_in_order_with_parts_the_store_accepts(sizes, min_part, extra):
+    max_part = min_part + extra
+    sources = [(f"b/s{i}", size) for i, size in enumerate(sizes)]
+    parts = plan_parts(sources, min_part, max_part)
+    # Concatenated, the parts' ranges are the sources, each byte once, in order.
+    flat = [r for part in parts for r in part.ranges]
+    covered = [(r.path, b) for r in flat for b in range(r.start, r.end)]
+    assert covered == [(path, b) for path, size in sources for b in range(size)]
+    for i, part in enumerate(parts):
+        assert part.size <= max_part
+        if i < len(parts) - 1:
+            assert part.size >= min_part  # S3 refuses a smaller part anywhere but last
+        if part.copy:
+            assert len(part.ranges) == 1 and part.size >= min_part
+        else:
+            assert part.size <= min_part  # gathered here: memory bounded by one part
+    # A source of min_part bytes or more is copied, except what was lent to fill an upload part.
+    assert sum(p.size for p in parts if not p.copy) <= sum(min(s, 2 * min_part) for s in sizes)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    pytest.importorskip("s3fs")
+    with moto_server() as server:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": server.endpoint, "region_name": "us-east-1"},
+                               key=server.key, secret=server.secret)  # fmt: skip
+        upload(server, "shards", {})
+        yield fs
+
+
+def _put(fs, sizes: list[int], prefix: str) -> tuple[list[tuple[str, int]], bytes]:
+    sources, whole = [], b""
+    for i, size in enumerate(sizes):
+        data = os.urandom(size)
+        fs.pipe_file(f"shards/{prefix}/part-{i}.bin", data)
+        sources.append((f"shards/{prefix}/part-{i}.bin", size))
+        whole += data
+    return sources, whole
+
+
+def test_large_sources_are_copied_by_the_store_small_ones_gathered(s3):
+    sizes = [6 * MiB, 1 * MiB, 2 * MiB, 7 * MiB + 5, 0, 3 * MiB]
+    sources, whole = _put(s3, sizes, "a")
+    done = assemble(s3, "shards/a.bin", sources, "shards/a.scratch")
+    assert s3.cat_file("shards/a.bin") == whole
+    # 6 MiB copied; 1 + 2 + 2 MiB of the 7 gathered; the 7's other 5 MiB + 5 B copied; 3 MiB last.
+    assert (done.copied, done.uploaded, done.levels, done.parts) == (11 * MiB + 5, 8 * MiB, 1, [4])
+
+
+def test_more_parts_than_an_upload_takes_go_through_intermediate_objects(s3):
+    sizes = [5 * MiB, 5 * MiB + 1, 6 * MiB, 5 * MiB, 2]
+    sources, whole = _put(s3, sizes, "b")
+    done = assemble(s3, "shards/b.bin", sources, "shards/b.scratch", max_parts=2)
+    assert s3.cat_file("shards/b.bin") == whole
+    # 5 parts -> 3 intermediates (10 MiB + 1, 11 MiB, 2 B) -> 2 (21 MiB + 1, 2 B) -> one upload of 2.
+    assert (done.levels, done.parts) == (3, [3, 2, 2])
+    assert not s3.exists("shards/b.scratch")  # intermediates removed
+    assert s3.ls("shards/b") and len(s3.ls("shards/b")) == len(sizes)  # the sources are left alone
+
+
+def test_an_empty_assembly_is_an_empty_object(s3):
+    done = assemble(s3, "shards/empty.bin", [("shards/none", 0)], "shards/empty.scratch")
+    assert s3.cat_file("shards/empty.bin") == b"" and done.copied == done.uploaded == 0
+
+
+def test_a_missing_source_names_it_and_leaves_no_target(s3):
+    sources, _ = _put(s3, [6 * MiB], "c")
+    sources.append(("shards/c/gone.bin", 6 * MiB))
+    with pytest.raises(StatefulsetError, match=r"s3://shards/c.bin: part 2 of 2 \(from s3://shards/c/gone.bin"):
+        assemble(s3, "shards/c.bin", sources, "shards/c.scratch")
+    assert not s3.exists("shards/c.bin")
+    s3.invalidate_cache()
+    uploads = s3.call_s3("list_multipart_uploads", Bucket="shards").get("Uploads", [])
+    assert not uploads  # aborted, nothing left to bill
