@@ -165,15 +165,16 @@ class Folder:
         self._fs.pipe_file(f"{self._fs_path}/{name}", text.encode())
 
     @contextlib.contextmanager
-    def local_shard(self, name: str) -> Iterator[str]:
-        """The shard ``name`` (a prefix in this folder) as a local prefix: itself, or a download removed after use
-        (so merging remote parts needs the local room of one part, and leaves no copies behind)."""
+    def local_shard(self, name: str, exts: tuple[str, ...] = (".bin", ".idx")) -> Iterator[str]:
+        """The shard ``name`` (a prefix in this folder) as a local prefix: itself, or a download of its
+        ``exts`` removed after use (so merging remote parts needs the local room of one part, and leaves
+        no copies behind)."""
         if not self.remote:
             yield _local(self.join(name))
             return
         folder = tempfile.mkdtemp(prefix="statefulset-part-")
         try:
-            for ext in (".bin", ".idx"):
+            for ext in exts:
                 self._fs.get_file(f"{self._fs_path}/{name}{ext}", os.path.join(folder, name + ext))
             yield os.path.join(folder, name)
         except OSError as exc:
@@ -181,12 +182,33 @@ class Folder:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    def fs_path(self, name: str) -> str:
+        """``name``'s path on the folder's filesystem (remote folders only)."""
+        return f"{self._fs_path}/{name}"
+
+    def size(self, name: str) -> int:
+        if not self.remote:
+            return os.path.getsize(_local(self.join(name)))
+        try:
+            return int(self._fs.size(self.fs_path(name)))
+        except OSError as exc:
+            raise StatefulsetError(f"{self.join(name)}: cannot read its size: {exc}") from exc
+
     def remove(self) -> None:
         if not self.remote:
             shutil.rmtree(_local(self.path), ignore_errors=True)
             return
         with contextlib.suppress(FileNotFoundError):
             self._fs.rm(self._fs_path, recursive=True)
+
+
+def copying_store(prefix: str) -> tuple[Any, str] | None:
+    """The filesystem and path of ``prefix`` when its store copies objects into a new one itself (S3's
+    multipart ``UploadPartCopy``, :mod:`statefulset.shards.object_assembly`), else None."""
+    if not is_url(prefix) or _protocol(prefix) not in ("s3", "s3a"):
+        return None
+    fs, fs_path = _fs(prefix)
+    return (fs, fs_path) if hasattr(fs, "call_s3") else None
 
 
 class StagedOutput:
@@ -200,12 +222,13 @@ class StagedOutput:
         base = prefix.rstrip("/").rsplit("/", 1)[-1]
         self.local = os.path.join(self._folder, base) if self._folder else _local(prefix)
 
-    def publish(self) -> None:
+    def publish(self, exts: tuple[str, ...] = (".bin", ".idx")) -> None:
+        """Upload the staged files (only ``exts``: a ``.bin`` assembled on the store is not staged here)."""
         if not self.remote:
             return
         fs, fs_path = _fs(self.prefix)
         try:
-            for ext in (".bin", ".idx"):
+            for ext in exts:
                 fs.put_file(self.local + ext, fs_path + ext)
         except OSError as exc:
             raise StatefulsetError(f"{self.prefix}: cannot upload the shard: {exc}") from exc

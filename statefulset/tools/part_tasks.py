@@ -34,6 +34,7 @@ from statefulset.shards.writer import IndexedDatasetWriter
 from statefulset.tools import locations
 from statefulset.tools import preprocess as local
 from statefulset.tools.locations import Folder, StagedOutput
+from statefulset.tools.part_merge import OrderedMerge
 from statefulset.tools.progress import Progress
 from statefulset.tools.worker_pool import no_news_limit
 
@@ -244,51 +245,6 @@ def ray_session(address: str | None) -> Iterator[Any]:
     finally:
         if started_here:
             ray.shutdown()
-
-
-class OrderedMerge:
-    """Appends committed parts to the outputs in input order while later tasks still run, so the
-    merge is done (all but the tail) when the last task commits. Each part's summary is counted as
-    it is appended: a bad line stops the run at the first part holding one, nothing published."""
-
-    def __init__(self, parts: Folder, tasks: list[Task], result: Any, dtype: Any, skip_bad_lines: bool) -> None:
-        self.parts, self.tasks, self.result, self.skip = parts, tasks, result, skip_bad_lines
-        self.staged = {k: StagedOutput(p) for k, p in result.outputs.items()}
-        self.writers = {k: IndexedDatasetWriter(o.local, dtype) for k, o in self.staged.items()}
-        self.following = 0
-        self._line_of: dict[str, int] = {}
-
-    def advance(self, committed: set[int]) -> None:
-        while self.following < len(self.tasks) and self.following in committed:
-            self._append(self.tasks[self.following].number)
-            self.following += 1
-
-    def _append(self, number: int) -> None:
-        summary = json.loads(self.parts.read_text(f"part-{number:06d}.done"))
-        result = self.result
-        for unit in summary["units"]:
-            first = self._line_of.get(unit["path"], 0) + 1
-            self._line_of[unit["path"]] = first - 1 + unit["lines"]
-            result.blank_lines += unit["blank"]
-            result.input_bytes += unit["bytes"]
-            hint = f"; the committed parts in {self.parts.path} are kept for that rerun"
-            local.count_bad_lines(result, unit["path"], unit["parquet"], first, unit["bad"], self.skip, hint)
-        result.documents += summary["documents"]
-        result.peak_task_rss = max(result.peak_task_rss, summary.get("peak_rss", 0))
-        for key, writer in self.writers.items():
-            result.tokens[key] = result.tokens.get(key, 0) + summary["tokens"][key]
-            with self.parts.local_shard(f"part-{number:06d}_{key}_document") as prefix:
-                writer.add_index(prefix)
-
-    def publish(self) -> None:
-        for key, writer in self.writers.items():
-            writer.close()
-            self.staged[key].publish()
-
-    def abort(self) -> None:
-        for key, writer in self.writers.items():
-            writer.abort()
-            self.staged[key].discard()
 
 
 def run_tasks(
