@@ -181,8 +181,17 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
         writer.close()
         staged[key].publish()
     summary["peak_rss"] = _peak_rss()
+    summary["node"] = _node_id()
     parts.write_text(f"part-{task.number:06d}.done", json.dumps(summary))  # the part is committed
     return summary
+
+
+def _node_id() -> str:
+    """The Ray node this task runs on ("" outside Ray)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return ""
+    return str(ray.get_runtime_context().get_node_id())
 
 
 def _peak_rss() -> int:
@@ -263,6 +272,7 @@ def run_tasks(
     remote = ray.remote(max_retries=3, retry_exceptions=False)(run_task)  # a lost worker or node: retried
     shared = ray.put(init_args)  # the tokenizer's text, stored once rather than sent with every task
     pending: dict[Any, Task] = {}
+    nodes: set[str] = set()
     try:
         limit = no_news_limit()
         last_news = last_log = time.monotonic()
@@ -293,6 +303,7 @@ def run_tasks(
                 except ray.exceptions.RayError as exc:
                     raise StatefulsetError(f"{task.describe()}: failed on the Ray cluster: {exc}") from None
                 committed.add(task.number)
+                nodes.add(summary.get("node", ""))
                 progress.note = f"{len(committed)}/{len(tasks)} tasks"
                 progress.update(summary["documents"], sum(summary["tokens"].values()), summary["bytes"])
             merge.advance(committed)
@@ -300,6 +311,7 @@ def run_tasks(
         progress.close()
         for ref in pending:  # stopped early: nothing of this run keeps running on the cluster
             ray.cancel(ref, force=True)
+    merge.result.ray_nodes = len(nodes)
     return kept
 
 

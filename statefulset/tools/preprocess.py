@@ -79,6 +79,7 @@ class PreprocessResult:
     eod_text: str | None = None  # its string in the vocabulary (None for the byte tokenizer's 256)
     skipped_tasks: int = 0  # --executor ray: committed parts of an earlier run that were kept
     peak_task_rss: int = 0  # --executor ray: the largest peak resident memory of a task's process, bytes
+    ray_nodes: int = 0  # --executor ray: the Ray nodes whose tasks committed parts in this run
     store_copied: int = 0  # --executor ray to S3: bytes of the merged .bin the store copied from the parts
     store_uploaded: int = 0  # ... and bytes that came through this machine (parts under 5 MiB, tails)
 
@@ -101,6 +102,8 @@ class PreprocessResult:
             lines.append(f"  ignored {self.blank_lines} blank lines")
         if self.skipped_tasks:
             lines.append(f"  resumed: kept {self.skipped_tasks} tasks committed by an earlier run")
+        if self.ray_nodes:
+            lines.append(f"  tasks of this run ran on {self.ray_nodes} Ray node{'s' if self.ray_nodes > 1 else ''}")
         if self.store_copied or self.store_uploaded:
             lines.append(
                 f"  merged .bin assembled on the object store: {self.store_copied / 2**20:,.1f} MiB copied by the "
