@@ -290,18 +290,11 @@ class IndexedDatasetWriter:
         """Append a whole shard (Megatron's ``add_index``), streaming: memory stays flat."""
         self._check_open()
         source = IndexedDataset(path_prefix, multimodal=self.multimodal, storage_options=storage_options)
-        if source.dtype != self.dtype:
-            raise StatefulsetError(
-                f"{source.path_prefix}: dtype {source.dtype} differs from {self.dtype} of the merge into "
-                f"{self.path_prefix}; shards of different dtypes cannot be merged"
-            )
-        self._append_index(source.sequence_lengths, source.document_indices, source.sequence_modes)
+        self._append_index(source.path_prefix, source._arrays)
         block = bytearray(_COPY_BYTES)  # one reused buffer: fresh pages are what costs here
         with source._bin_file.open() as f:
             while n := f.readinto(block):
                 self._bin.write(memoryview(block)[:n])
-        self.sequence_count += len(source)
-        self.document_count += source.num_documents
 
     def add_index_only(self, idx_path: str, bin_size: int) -> None:
         """Append a shard's index without its tokens, whose ``.bin`` of ``bin_size`` bytes the caller
@@ -312,25 +305,26 @@ class IndexedDatasetWriter:
             buffer, idx_size=len(buffer), bin_size=bin_size, multimodal=self.multimodal, path=idx_path,
             bin_path=f"its .bin ({bin_size} bytes)",
         )  # fmt: skip
+        self._append_index(idx_path, arrays)
+
+    def _append_index(self, where: str, arrays: idx_format.IndexArrays) -> None:
+        """The index entries of a whole shard (``where``), after the sequences so far."""
         if arrays.header.dtype != self.dtype:
             raise StatefulsetError(
-                f"{idx_path}: dtype {arrays.header.dtype} differs from {self.dtype} of the merge into "
+                f"{where}: dtype {arrays.header.dtype} differs from {self.dtype} of the merge into "
                 f"{self.path_prefix}; shards of different dtypes cannot be merged"
             )
-        self._append_index(arrays.sequence_lengths, arrays.document_indices, arrays.sequence_modes)
-        self.sequence_count += arrays.sequence_lengths.size
-        self.document_count += arrays.document_indices.size - 1
-
-    def _append_index(self, lengths: numpy.ndarray, boundaries: numpy.ndarray, modes: Any) -> None:
         self._spill()
-        chunk = idx_format.CHUNK
+        lengths, boundaries, chunk = arrays.sequence_lengths, arrays.document_indices, idx_format.CHUNK
         for start in range(0, lengths.size, chunk):
             self._lengths_spill.write(lengths[start : start + chunk].tobytes())
             if self.multimodal:
-                self._modes_spill.write(modes[start : start + chunk].tobytes())
+                self._modes_spill.write(arrays.sequence_modes[start : start + chunk].tobytes())
         for start in range(1, boundaries.size, chunk):
             shifted = boundaries[start : start + chunk] + self.sequence_count
             self._documents_spill.write(shifted.astype(idx_format.DOCUMENT_DTYPE).tobytes())
+        self.sequence_count += lengths.size
+        self.document_count += boundaries.size - 1
 
     # -- finishing --------------------------------------------------------------------------
     def _spill(self) -> None:
