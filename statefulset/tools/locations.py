@@ -186,14 +186,6 @@ class Folder:
         """``name``'s path on the folder's filesystem (remote folders only)."""
         return f"{self._fs_path}/{name}"
 
-    def size(self, name: str) -> int:
-        if not self.remote:
-            return os.path.getsize(_local(self.join(name)))
-        try:
-            return int(self._fs.size(self.fs_path(name)))
-        except OSError as exc:
-            raise StatefulsetError(f"{self.join(name)}: cannot read its size: {exc}") from exc
-
     def remove(self) -> None:
         if not self.remote:
             shutil.rmtree(_local(self.path), ignore_errors=True)

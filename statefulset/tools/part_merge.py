@@ -17,6 +17,7 @@ import json
 import logging
 from typing import Any
 
+from statefulset.shards import idx_format
 from statefulset.shards.object_assembly import assemble
 from statefulset.shards.writer import IndexedDatasetWriter
 from statefulset.tools import locations
@@ -33,6 +34,7 @@ class OrderedMerge:
         self.parts, self.tasks, self.result, self.skip = parts, tasks, result, skip_bad_lines
         self.staged = {k: StagedOutput(p) for k, p in result.outputs.items()}
         self.writers = {k: IndexedDatasetWriter(o.local, dtype) for k, o in self.staged.items()}
+        self.itemsize = idx_format.token_dtype(dtype).itemsize
         stores = [locations.copying_store(p) for p in (parts.path, *result.outputs.values())]
         # Parts and outputs on the same S3 endpoint: the store copies the tokens itself.
         self.on_store = all(stores) and len({id(fs) for fs, _ in stores}) == 1  # type: ignore[misc]
@@ -64,7 +66,7 @@ class OrderedMerge:
                 with self.parts.local_shard(name) as prefix:
                     writer.add_index(prefix)
                 continue
-            size = self.parts.size(name + ".bin")
+            size = summary["tokens"][key] * self.itemsize  # the part's .bin: its tokens (no request per part)
             with self.parts.local_shard(name, (".idx",)) as prefix:
                 writer.add_index_only(prefix + ".idx", size)
             self.sources[key].append((self.parts.fs_path(name + ".bin"), size))
