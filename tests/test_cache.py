@@ -343,7 +343,7 @@ def test_waiting_for_a_stuck_builder_is_bounded_and_says_for_what(tmp_path, monk
         assert "STATEFULSET_CACHE_WAIT" in str(caught.value)
         assert f"waiting for another process building this index: {entry}" in caplog.text
         monkeypatch.setenv("STATEFULSET_CACHE_WAIT", "soon")
-        with pytest.raises(StatefulsetError, match="STATEFULSET_CACHE_WAIT must be a number of seconds, got 'soon'"):
+        with pytest.raises(StatefulsetError, match="STATEFULSET_CACHE_WAIT='soon': must be a positive number"):
             IndexCache(root).get_or_build("GPTDataset", {"x": 1}, dict)
     finally:
         open(go, "w").close()

@@ -18,14 +18,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "statefulset"
 # What each layer may import besides itself (errors is everyone's).
 ALLOWED = {
     "errors": set(),
-    "spec": {"errors"},
-    "shards": {"errors"},
-    "index": {"errors", "shards"},
-    "streams": {"errors", "spec", "shards", "index"},
-    "parallel": {"errors"},
-    "loading": {"errors", "spec", "shards", "index", "streams", "parallel"},
-    "integrations": {"errors", "spec", "shards", "index", "streams", "parallel", "loading"},
-    "tools": {"errors", "spec", "shards", "index", "streams", "parallel", "loading"},
+    "settings": {"errors"},
+    "spec": {"errors", "settings"},
+    "shards": {"errors", "settings"},
+    "index": {"errors", "settings", "shards"},
+    "streams": {"errors", "settings", "spec", "shards", "index"},
+    "parallel": {"errors", "settings"},
+    "loading": {"errors", "settings", "spec", "shards", "index", "streams", "parallel"},
+    "integrations": {"errors", "settings", "spec", "shards", "index", "streams", "parallel", "loading"},
+    "tools": {"errors", "settings", "spec", "shards", "index", "streams", "parallel", "loading"},
 }
 MAX_LINES = 500
 
@@ -178,5 +179,30 @@ def test_the_contract_names_import():
 def test_the_docs_show_every_layer():
     for page in ("docs/concepts.md", "README.md"):
         text = (PACKAGE.parent / page).read_text(encoding="utf-8")
-        missing = [name for name in ALLOWED if name != "errors" and f"{name}/" not in text]
+        missing = [name for name in ALLOWED if name not in ("errors", "settings") and f"{name}/" not in text]
         assert not missing, f"{page} does not show {missing}"
+
+
+def test_environment_is_read_in_one_place():
+    """Only statefulset.settings reads the environment, and it declares every STATEFULSET_* name used."""
+    import re
+
+    from statefulset import settings
+
+    declared = {s.name for s in settings.ALL}
+    readers, undeclared = [], set()
+    for module, path in FILES.items():
+        text = path.read_text(encoding="utf-8")
+        undeclared |= set(re.findall(r"STATEFULSET_[A-Z_]+[A-Z]", text)) - declared
+        if module != "statefulset.settings" and re.search(r"os\.environ\.get|os\.getenv|environ\[", text):
+            readers.append(module)
+    assert not undeclared, f"not declared in statefulset/settings.py: {sorted(undeclared)}"
+    # obstore_client mirrors botocore's own AWS_ENDPOINT_URL[_S3]; preprocess sets TOKENIZERS_PARALLELISM.
+    assert set(readers) <= {"statefulset.shards.obstore_client", "statefulset.tools.preprocess"}, readers
+
+
+def test_settings_page_is_generated():
+    from statefulset import settings
+
+    page = (PACKAGE.parent / "docs" / "settings.md").read_text(encoding="utf-8")
+    assert settings.table() in page, "docs/settings.md is stale: run python docs/build_settings.py"

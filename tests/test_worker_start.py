@@ -135,5 +135,5 @@ def test_only_forked_workers_are_watched(monkeypatch):
     assert forks("fork") and not forks("spawn") and not forks("forkserver")
     assert not forks(torch.multiprocessing.get_context("spawn"))
     monkeypatch.setenv("STATEFULSET_WORKER_START_TIMEOUT", "soon")
-    with pytest.raises(StatefulsetError, match="STATEFULSET_WORKER_START_TIMEOUT must be a positive number"):
+    with pytest.raises(StatefulsetError, match="STATEFULSET_WORKER_START_TIMEOUT='soon': must be a positive number"):
         start_timeout()

@@ -46,8 +46,8 @@ from pathlib import Path
 
 import numpy
 
+from statefulset import settings
 from statefulset.errors import StatefulsetError
-from statefulset.shards.facts import user_cache_dir
 
 __all__ = ["available", "library", "pick"]
 
@@ -75,12 +75,12 @@ def share_from(folder: str | os.PathLike[str]) -> None:
 
 
 def _compiler() -> list[str]:
-    return shlex.split(os.environ.get("CC") or "cc")
+    return shlex.split(settings.CC.get())
 
 
 def _cache_dir() -> Path:
-    configured = os.environ.get("STATEFULSET_KERNEL_DIR")
-    return Path(configured) if configured else Path(user_cache_dir())
+    configured = settings.KERNEL_DIR.get()
+    return Path(configured) if configured else Path(settings.user_cache_dir())
 
 
 def _library_path(source: bytes, compiler: list[str]) -> Path:
@@ -197,7 +197,7 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if not _state["loaded"]:
             lib, reason = None, None
-            if os.environ.get("STATEFULSET_KERNELS", "").strip().lower() in ("0", "false", "no", "off"):
+            if not settings.KERNELS.get():
                 reason = "disabled by STATEFULSET_KERNELS"
             else:
                 try:

@@ -10,29 +10,18 @@ spent waiting on sockets, without the GIL); memory stays bounded by ``depth`` ba
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from statefulset.errors import StatefulsetError
+from statefulset import settings
 
 T = TypeVar("T")
-DEFAULT_DEPTH = 8
 
 
 def read_ahead_depth() -> int:
-    raw = os.environ.get("STATEFULSET_READ_AHEAD", "")
-    if not raw.strip():
-        return DEFAULT_DEPTH
-    try:
-        depth = int(raw)
-    except ValueError:
-        raise StatefulsetError(f"STATEFULSET_READ_AHEAD must be a whole number of batches, got {raw!r}") from None
-    if depth < 0:
-        raise StatefulsetError(f"STATEFULSET_READ_AHEAD must be >= 0, got {raw!r}")
-    return depth
+    return settings.READ_AHEAD.get()
 
 
 def read_ahead(produce: Callable[[int], T], batches: Iterable[int], depth: int) -> Iterator[tuple[int, Future[T]]]:

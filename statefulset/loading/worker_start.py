@@ -21,29 +21,19 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import time
 from typing import Any
 
+from statefulset import settings
 from statefulset.errors import StatefulsetError
 
 log = logging.getLogger("statefulset")
-DEFAULT_START_TIMEOUT = 30.0
 MAX_STARTS = 4
 POLL_SECONDS = 1.0
 
 
 def start_timeout() -> float:
-    raw = os.environ.get("STATEFULSET_WORKER_START_TIMEOUT", "")
-    if not raw.strip():
-        return DEFAULT_START_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise StatefulsetError(f"STATEFULSET_WORKER_START_TIMEOUT must be a positive number of seconds, got {raw!r}")
-    return value
+    return settings.WORKER_START_TIMEOUT.get()
 
 
 def forks(context: Any) -> bool:

@@ -14,12 +14,14 @@ import errno
 import mmap
 import os
 
+from statefulset import settings
+
 _ALIGN = 4096
 _BUFFER_BYTES = 32 << 20
 
 
 def _direct_wanted() -> bool:
-    return hasattr(os, "O_DIRECT") and os.environ.get("STATEFULSET_DIRECT_IO", "1") != "0"
+    return hasattr(os, "O_DIRECT") and settings.DIRECT_IO.get()
 
 
 class SequentialWriter:

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from statefulset import settings
 from statefulset.shards.locks import exclusive
 
 __all__ = ["file_token", "once", "recall", "remember", "versions"]
@@ -59,14 +60,8 @@ def file_token(path: str) -> tuple[str, str] | None:
     return _realpath(path), f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
 
-def user_cache_dir() -> str:
-    """This user's statefulset folder: ``$XDG_CACHE_HOME/statefulset``, else ``~/.cache/statefulset``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "statefulset")
-
-
 def memo_dir() -> str:
-    return os.path.join(user_cache_dir(), "memo")
+    return os.path.join(settings.user_cache_dir(), "memo")
 
 
 def versions(*paths: str) -> tuple[str, ...] | None:

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from statefulset import settings
 from statefulset.errors import StatefulsetError
 
 log = logging.getLogger("statefulset")
 T = TypeVar("T")
 
-DEFAULT_RETRIES = 6
-DEFAULT_RETRY_SECONDS = 120.0
 _FIRST_BACKOFF = 0.1
 _MAX_BACKOFF = 10.0
 
@@ -102,24 +100,9 @@ def describe(url: str, exc: BaseException, attempts: int = 1) -> StatefulsetErro
     return StatefulsetError(f"{url}: {what}{tried}; cause: {cause}")
 
 
-def _setting(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise StatefulsetError(f"environment variable {name}={raw!r}: must be a number") from None
-    if value < 0:
-        raise StatefulsetError(f"environment variable {name}={raw!r}: must be >= 0")
-    return value
-
-
 def retry_policy() -> tuple[int, float]:
     """(retries after the first attempt, total seconds) from the environment."""
-    return int(_setting("STATEFULSET_STORAGE_RETRIES", DEFAULT_RETRIES)), _setting(
-        "STATEFULSET_STORAGE_RETRY_SECONDS", DEFAULT_RETRY_SECONDS
-    )
+    return settings.STORAGE_RETRIES.get(), settings.STORAGE_RETRY_SECONDS.get()
 
 
 def with_retries(url: str, call: Callable[[], T], what: str = "read") -> T:

@@ -22,8 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from statefulset import settings
 from statefulset.errors import StatefulsetError
-from statefulset.shards.facts import user_cache_dir
 from statefulset.shards.faults import with_retries
 from statefulset.shards.locks import exclusive
 from statefulset.shards.remote import RemoteFile
@@ -34,7 +34,7 @@ _RECORD_VERSION = 1
 
 
 def copies_dir() -> str:
-    return os.environ.get("STATEFULSET_REMOTE_CACHE") or os.path.join(user_cache_dir(), "remote-idx")
+    return settings.REMOTE_CACHE.get() or os.path.join(settings.user_cache_dir(), "remote-idx")
 
 
 @dataclass

@@ -25,12 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from statefulset import settings
 from statefulset.errors import StatefulsetError
 
 logger = logging.getLogger("statefulset")
 
 # A build of 10^9 sequences takes minutes, so an hour means the holder is stuck (a dead one's lock is gone).
-DEFAULT_WAIT_S = 3600.0
 REPORT_EVERY_S = 60.0
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
 HEARTBEAT_S = 10.0
@@ -39,14 +39,7 @@ _HOST = socket.gethostname()
 
 
 def wait_bound() -> float:
-    text = os.environ.get("STATEFULSET_CACHE_WAIT", "")
-    try:
-        bound = float(text) if text.strip() else DEFAULT_WAIT_S
-    except ValueError:
-        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be a number of seconds, got {text!r}") from None
-    if not bound > 0:
-        raise StatefulsetError(f"STATEFULSET_CACHE_WAIT must be positive, got {text!r}")
-    return bound
+    return settings.CACHE_WAIT.get()
 
 
 @contextlib.contextmanager
@@ -56,7 +49,7 @@ def exclusive(path: str, subject: str, what: str) -> Iterator[bool]:
     ``what`` completes the log lines and the error, e.g. "building this index" or "downloading
     this object"; the error starts with ``subject``.
     """
-    if os.environ.get("STATEFULSET_LOCK", "").lower() == "file":
+    if settings.LOCK.get() == "file":
         with _lock_file(path, subject, what) as held:
             yield held
         return

@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from statefulset import settings
+
 # storage_options keys obstore can honour; with any other key the reads stay on s3fs.
 _MAPPABLE = {"endpoint_url", "key", "secret", "token", "anon", "profile", "client_kwargs", "config_kwargs"}
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
@@ -41,7 +43,7 @@ def usable() -> bool:
 
 def wanted(url: str, storage_options: dict[str, Any] | None) -> bool:
     """True when ``url``'s ranged reads should go through obstore."""
-    if os.environ.get("STATEFULSET_S3_CLIENT", "").lower() == "s3fs":
+    if settings.S3_CLIENT.get() == "s3fs":
         return False
     if not url.startswith(("s3://", "s3a://")):
         return False

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy
 
+from statefulset import settings
 from statefulset.errors import StatefulsetError
 from statefulset.index import compiled
 from statefulset.index.cache import builds as cache_builds
 from statefulset.shards.digests import shard_digest
-from statefulset.shards.facts import user_cache_dir
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec, load_spec
 from statefulset.spec.splits import SPLITS, parse_split, split_matrix, split_range
@@ -65,7 +65,7 @@ def _open_stream(spec: DatasetSpec | str | os.PathLike[str] | Mapping[str, Any],
 
 def cache_folder(spec: DatasetSpec) -> str:
     """The spec's ``path_to_cache``, or this node's default (``<user cache>/indices``) when it is null."""
-    return spec.path_to_cache or os.path.join(user_cache_dir(), "indices")
+    return spec.path_to_cache or os.path.join(settings.user_cache_dir(), "indices")
 
 
 def _open(spec: DatasetSpec, split: str) -> SampleStream:

@@ -15,10 +15,10 @@ from collections.abc import Callable
 import numpy
 import yaml
 
+from statefulset import settings
 from statefulset.loading.datasets import get_train_dataset
 from statefulset.loading.loader import get_savable_loader
 from statefulset.loading.worker_config import WorkerConfig
-from statefulset.shards.facts import user_cache_dir
 from statefulset.shards.merge import merge_datasets
 from statefulset.shards.names import find_prefixes
 from statefulset.shards.reader import IndexedDataset
@@ -83,7 +83,7 @@ def demo_spec(
     An existing folder is reused: the shards are only written when missing. Call it once before
     starting ranks rather than from every rank at the same time.
     """
-    folder = folder or os.path.join(user_cache_dir(), "demo-corpus")
+    folder = folder or os.path.join(settings.user_cache_dir(), "demo-corpus")
     os.makedirs(folder, exist_ok=True)
     tokenizer = ByteTokenizer()
     docs = generate_documents(documents)

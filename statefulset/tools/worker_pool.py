@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import os
 import signal
 import time
 from collections import deque
@@ -25,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
+from statefulset import settings
 from statefulset.errors import StatefulsetError
 
 logger = logging.getLogger("statefulset")
@@ -40,14 +40,7 @@ class WorkerStuck(StatefulsetError):
 
 def no_news_limit() -> float:
     """Seconds a run waits for any unit of work to finish before it stops with an error."""
-    raw = os.environ.get("STATEFULSET_TASK_TIMEOUT", "3600")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise StatefulsetError(f"STATEFULSET_TASK_TIMEOUT must be a positive number of seconds, got {raw!r}")
-    return value
+    return settings.TASK_TIMEOUT.get()
 
 
 def _serve(connection: Any, function: Callable[[Any], Any], initializer: Callable[..., None], initargs: tuple) -> None:
@@ -84,7 +77,7 @@ def ordered_map(
     """``(item, function(item))`` in input order, computed by ``workers`` processes (fork where available)."""
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     context = multiprocessing.get_context(method)
-    period = float(os.environ.get("STATEFULSET_POOL_LOG_SECONDS", "60"))
+    period = settings.POOL_LOG_SECONDS.get()
     limit = no_news_limit()
     processes, connections = [], []
     for _ in range(workers):
