@@ -17,6 +17,7 @@ import numpy
 
 from statefulset.errors import SequenceIndexError, StatefulsetError
 from statefulset.index.native.blend_tree import BlendSchedule
+from statefulset.index.native.one_pass import OnePassBlend
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.documents import Pieces, merge_pieces
@@ -141,14 +142,26 @@ def _fill_by_source(
 
 class BlendedStream(SampleStream):
     """Sources whose local samples cover every ``p >= 0`` (each with ``windows`` samples per epoch and a
-    filler), blended position by position by the native blend tree: packing native and bestfit."""
+    filler), blended position by position by the native blend tree: packing native and bestfit.
 
-    def __init__(self, spec, split, identity, sources: list[Any], fillers: list[Any], weights: list[float]):
-        super().__init__(spec, split, identity, sum(s.windows for s in sources), unbounded=True)
+    The train split is unbounded and follows the weights. Validation and test (``one_pass``) are one
+    pass: every sample of every source exactly once, interleaved by size whatever the weights
+    (:class:`~statefulset.index.native.one_pass.OnePassBlend`); positions past it do not exist.
+    """
+
+    def __init__(
+        self, spec, split, identity, sources: list[Any], fillers: list[Any], weights: list[float], one_pass: bool = False
+    ):
+        super().__init__(spec, split, identity, sum(s.windows for s in sources), unbounded=not one_pass)
         self.sources = sources
-        self.weights = weights
-        self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
         self._fillers = fillers
+        self.schedule: BlendSchedule | OnePassBlend | None
+        if one_pass:
+            self.weights = [float(s.windows) for s in sources]
+            self.schedule = OnePassBlend([s.windows for s in sources]) if len(sources) > 1 else None
+        else:
+            self.weights = weights
+            self.schedule = BlendSchedule(weights) if len(sources) > 1 else None
 
     def source_positions(self, position: int) -> dict[str, int]:
         """For each source prefix: how many of its samples the positions ``[0, position)`` drew."""

@@ -54,7 +54,8 @@ class BestFitStream(BlendedStream):
     """Bins of whole documents of each source, blended position by position."""
 
     def __init__(self, spec, split, identity, sources: list[BestFitSource], weights: list[float], pad_id: int):
-        super().__init__(spec, split, identity, sources, [_BinFiller(s, pad_id) for s in sources], weights)
+        fillers = [_BinFiller(s, pad_id) for s in sources]
+        super().__init__(spec, split, identity, sources, fillers, weights, one_pass=split != "train")
         self.pad_id = pad_id
         self.padded = True
 

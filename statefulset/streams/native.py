@@ -74,7 +74,8 @@ class NativeStream(BlendedStream):
     """Keyed windows of each source, blended position by position; nothing is built or stored."""
 
     def __init__(self, spec, split, identity, sources: list[WindowSource], weights: list[float]):
-        super().__init__(spec, split, identity, sources, [_WindowFiller(s) for s in sources], weights)
+        fillers = [_WindowFiller(s) for s in sources]
+        super().__init__(spec, split, identity, sources, fillers, weights, one_pass=split != "train")
 
 
 def open_native(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> NativeStream:
