@@ -2,7 +2,8 @@
 
 ``spawn(fn, nprocs, tmp_path, *args)`` calls ``fn(rank, nprocs, init_file, *args)`` in each rank;
 the rank calls ``init_rank(rank, nprocs, init_file)`` first. Ranks report results by writing files
-(``torch.save``) that the test then checks in the pytest process.
+(``torch.save``) that the test then checks in the pytest process. The wait for the ranks is
+bounded: ranks still running after ``timeout`` seconds are killed and the test fails.
 """
 
 from __future__ import annotations
@@ -10,11 +11,15 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import time
 import uuid
 import warnings
 from pathlib import Path
 
 import torch
+
+# The longest a test's ranks may run (the 2 cores may be shared with other jobs): past it, a hang.
+JOIN_TIMEOUT = 600.0
 
 
 def init_rank(rank: int, world: int, init_file: str) -> None:
@@ -40,10 +45,28 @@ def init_rank(rank: int, world: int, init_file: str) -> None:
     )
 
 
-def spawn(fn, nprocs: int, tmp_path: Path, *args) -> None:
+def spawn(fn, nprocs: int, tmp_path: Path, *args, timeout: float = JOIN_TIMEOUT) -> None:
+    """Run ``fn`` on ``nprocs`` ranks; fail (and kill them) if they are not all done within ``timeout`` s.
+
+    A rank that raises makes torch stop the others and re-raise here; a rank that hangs (a
+    collective one peer never entered) is killed at the deadline, and the test fails naming it.
+    """
     import torch.multiprocessing as mp
 
     # One fork server imports torch once and forks every rank from it (seconds saved per rank).
     multiprocessing.get_context("forkserver").set_forkserver_preload(["torch.distributed", "statefulset"])
     init_file = str(tmp_path / f"rendezvous-{uuid.uuid4().hex}")
-    mp.start_processes(fn, args=(nprocs, init_file, *args), nprocs=nprocs, join=True, start_method="forkserver")
+    context = mp.start_processes(
+        fn, args=(nprocs, init_file, *args), nprocs=nprocs, join=False, start_method="forkserver"
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                alive = [rank for rank, p in enumerate(context.processes) if p.is_alive()]
+                raise AssertionError(f"ranks {alive} of {nprocs} still running after {timeout:g} s (a hang): killed")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)

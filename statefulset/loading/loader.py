@@ -230,7 +230,7 @@ class SavableLoader:
         source = dist.get_global_rank(group, src_rank) if group is not None else src_rank
         meet("restore_state_global", group, self.collective_timeout, f"src_rank={src_rank}")
         stream = self.dataset.stream
-        items = None
+        items, error = None, None
         if wc.rank == src_rank:
             try:
                 cursors = fit_global_states(states, stream.identity, wc.world_size, self.dataset.batch_size)
@@ -239,10 +239,9 @@ class SavableLoader:
                     for c in cursors
                 ]
             except StatefulsetError as exc:
-                items = [msgpack.packb({"error": str(exc)[:3000]})] * wc.world_size
-        got = msgpack.unpackb(scatter_bytes(items, source, group))
-        if "error" in got:
-            raise StatefulsetError(got["error"] + f" (checked on DP rank {src_rank})")
+                error = str(exc)  # every rank raises it (the exchange fits it to its slot)
+        # Every rank takes part in the scatter whatever happened here, so none waits in it alone.
+        got = msgpack.unpackb(scatter_bytes(items, source, group, error, f"DP rank {src_rank}, which checked it"))
         if got["fingerprint"] != stream.fingerprint:
             raise StatefulsetError(
                 f"restore_state_global: DP rank {wc.rank} opened other data than DP rank {src_rank} "
