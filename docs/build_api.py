@@ -24,7 +24,9 @@ def modules() -> list[str]:
     import statefulset
 
     found = pkgutil.walk_packages(statefulset.__path__, "statefulset.")
-    names = ["statefulset", *sorted(m.name for m in found if m.name != "statefulset.__main__")]
+    # The compiled kernels' extension module (setup.py) is a library loaded with ctypes, not API.
+    hidden = ("statefulset.__main__", "statefulset.index._kernels")
+    names = ["statefulset", *sorted(m.name for m in found if m.name not in hidden)]
     if not any(importlib.util.find_spec(name) for name in ("lightning", "pytorch_lightning")):
         print(
             "build_api: leaving out statefulset.integrations.lightning.datamodule (needs the lightning extra)",

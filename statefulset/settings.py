@@ -135,8 +135,8 @@ KERNELS = Setting(
 )  # fmt: skip
 KERNEL_DIR = Setting(
     "STATEFULSET_KERNEL_DIR", "", _text, "a folder",
-    "Where a kernel library compiled at run time (when the installed one is missing) is kept; "
-    "it must be owned by this user and writable by nobody else. Default: the user cache folder.",
+    "Where the kernel library is compiled at run time when the installed one is missing or stale; "
+    "it must be owned by this user and writable by nobody else, or it is refused. Default: <user cache>/kernels.",
 )  # fmt: skip
 CC = Setting("CC", "cc", _text, "a compiler command", "The C compiler used when kernels are compiled at run time.")
 

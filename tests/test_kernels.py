@@ -48,7 +48,7 @@ def kernel_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def compiled(kernel_dir):
     if not kernels.available():
-        pytest.skip(f"no compiled kernels here: {kernels._state['reason']}")
+        pytest.skip(f"no compiled kernels here: {kernels.reason()}")
     return True
 
 
@@ -276,35 +276,61 @@ def test_exhaustive_zero_sizes_drop_out():
         assert ids.shape == samples.shape == (0,) and ids.dtype == numpy.int16
 
 
-# --------------------------------------------------------------------------- the compile cache
+# --------------------------------------------------------------------------- installed library, private fallback
 
 
-def test_cache_holds_one_library(compiled, kernel_dir):
-    built = list(kernel_dir.iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so", built
+@pytest.fixture
+def private(reloaded):
+    """As if the package had been installed without its kernels: the private build's turn."""
+    reloaded.setattr(kernels, "_INSTALLED", "statefulset.index._not_installed")
+    return reloaded
 
 
-def test_fresh_folder_gets_one_library(reloaded, tmp_path):
-    reloaded.setenv("STATEFULSET_KERNEL_DIR", str(tmp_path / "cache"))
-    if not kernels.available():
-        pytest.skip(f"no compiler: {kernels._state['reason']}")
-    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so"]
+def test_installed_kernels_are_in_use(compiled):
+    """pip install (-e) builds the kernels into the package (setup.py): no compiler at job start."""
+    installed = kernels._installed()
+    assert installed is not None, f"no {kernels._INSTALLED}: build it with {kernels._REBUILD}"
+    assert installed.parent == Path(kernels.__file__).parent
+    assert kernels.origin() == installed, kernels.origin()
+
+
+def test_fresh_folder_gets_one_library(private, tmp_path):
+    folder = tmp_path / "cache"
+    private.setenv("STATEFULSET_KERNEL_DIR", str(folder))
+    assert kernels.available(), kernels.reason()
+    assert kernels.origin().parent == folder
+    assert sorted(p.suffix for p in folder.iterdir()) == [".sha256", ".so"]
+    assert folder.stat().st_mode & 0o777 == 0o700
     kernels._reset()
     assert kernels.available()  # reuses the file
-    assert len(list((tmp_path / "cache").iterdir())) == 1
+    assert len(list(folder.iterdir())) == 2
 
 
-def test_edited_source_recompiles(reloaded, tmp_path):
+def test_edited_source_recompiles(private, tmp_path):
     folder = tmp_path / "cache"
-    reloaded.setenv("STATEFULSET_KERNEL_DIR", str(folder))
-    if not kernels.available():
-        pytest.skip(f"no compiler: {kernels._state['reason']}")
+    private.setenv("STATEFULSET_KERNEL_DIR", str(folder))
+    assert kernels.available(), kernels.reason()
     edited = tmp_path / "kernels.c"
     edited.write_bytes(kernels._SOURCE.read_bytes() + b"\n/* edited */\n")
-    reloaded.setattr(kernels, "_SOURCE", edited)
+    private.setattr(kernels, "_SOURCE", edited)
     kernels._reset()
     assert kernels.available()
     assert len(list(folder.glob("*.so"))) == 2
+
+
+def test_installed_library_of_another_source_is_not_used(compiled, reloaded, tmp_path, caplog):
+    """An editable checkout whose kernels.c changed since its build runs the new source, not the old library."""
+    assert kernels._installed() is not None, f"no {kernels._INSTALLED}: build it with {kernels._REBUILD}"
+    folder = tmp_path / "cache"
+    reloaded.setenv("STATEFULSET_KERNEL_DIR", str(folder))
+    edited = tmp_path / "kernels.c"
+    edited.write_bytes(kernels._SOURCE.read_bytes() + b"\n/* edited */\n")
+    reloaded.setattr(kernels, "_SOURCE", edited)
+    with caplog.at_level(logging.WARNING, logger="statefulset"):
+        assert kernels.available(), kernels.reason()
+    assert kernels.origin().parent == folder
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "built from another kernels.c" in warnings[0] and str(folder) in warnings[0]
 
 
 def test_disabled_by_environment(reloaded, caplog):
@@ -321,20 +347,24 @@ def test_disabled_by_environment(reloaded, caplog):
 
 
 @pytest.mark.parametrize("problem", ["no compiler", "unwritable cache"])
-def test_falls_back_when_building_fails(reloaded, tmp_path, caplog, problem):
+def test_falls_back_when_building_fails(private, tmp_path, caplog, problem):
+    """Without installed kernels and without a build, the Python versions run: the same result, and one WARNING."""
     if problem == "no compiler":
-        reloaded.setenv("STATEFULSET_KERNEL_DIR", str(tmp_path / "cache"))
-        reloaded.setenv("CC", str(tmp_path / "no-such-cc"))
+        private.setenv("STATEFULSET_KERNEL_DIR", str(tmp_path / "cache"))
+        private.setenv("CC", str(tmp_path / "no-such-cc"))
     else:
         (tmp_path / "file").write_text("")
-        reloaded.setenv("STATEFULSET_KERNEL_DIR", str(tmp_path / "file" / "cache"))
+        private.setenv("STATEFULSET_KERNEL_DIR", str(tmp_path / "file" / "cache"))
     with caplog.at_level(logging.INFO, logger="statefulset"):
         assert not kernels.available()
         lengths = numpy.array([5, 3, 9], dtype=numpy.int32)
         documents = numpy.array([2, 0, 1, 1, 0, 2], dtype=numpy.int32)
         args = (lengths, documents, 4, 2, 17)
         numpy.testing.assert_array_equal(build_sample_index(*args), build_sample_index_numpy(*args))
-    assert sum("compiled kernels unavailable" in r.getMessage() for r in caplog.records) == 1
+        assert not kernels.available()
+    found = [r for r in caplog.records if "compiled kernels unavailable" in r.getMessage()]
+    assert len(found) == 1 and found[0].levelno == logging.WARNING, found
+    assert "10-100x slower" in found[0].getMessage()
 
 
 CHILD = """
@@ -347,6 +377,7 @@ sys.modules["statefulset"] = package
 import numpy
 from statefulset.index import compiled as kernels
 from statefulset.index.megatron import blend
+kernels._INSTALLED = "statefulset.index._not_installed"  # the private build's turn
 # Start compiling together: wait until every child is ready.
 ready = Path(sys.argv[2])
 (ready / str(time.time_ns())).touch()
@@ -380,7 +411,8 @@ def test_concurrent_builds_agree(compiled, tmp_path):
         assert child.returncode == 0, err.decode()
         outputs.append(out.decode().strip())
     assert len(set(outputs)) == 1, outputs
-    assert [p.name for p in folder.iterdir()] == [outputs[0].split()[0]]  # and no temporary files left
+    library = outputs[0].split()[0]
+    assert sorted(p.name for p in folder.iterdir()) == [library.replace(".so", ".sha256"), library]  # no temporaries
     ids, samples = blend.blending_indices(numpy.array([0.5, 0.3, 0.2]), 100_000, native=False)
     assert outputs[0].split()[1] == hashlib.sha256(ids.tobytes() + samples.tobytes()).hexdigest()
 

@@ -1,25 +1,25 @@
-"""The compiled kernels of ``kernels.c``: building, loading and the library handle, for both index kinds.
+"""The compiled kernels of ``kernels.c``: finding, checking and loading the library, for both index kinds.
 
-``kernels.c`` is plain C loaded with ctypes. It is compiled at first use with the system C
-compiler (``$CC``, else ``cc``) and ``-O2 -shared -fPIC -ffp-contract=off``: no fused
-multiply-add and no fast-math, so every floating-point expression rounds exactly as in
-megatron-core's ``helpers.cpp`` and in the Python fallbacks beside each caller.
+``kernels.c`` is plain C called through ctypes. Where the library comes from, in this order:
 
-The shared library is cached in ``$STATEFULSET_KERNEL_DIR`` (default ``$XDG_CACHE_HOME/statefulset``, else
-``~/.cache/statefulset``)
-under a name that hashes the source, the compiler command, the flags and the platform, so an
-edited source or another compiler builds a new file. Each process compiles to a unique temporary
-name and renames it into place, so any number of processes may build at once. When compiling or
-loading fails (no compiler, read-only home, ...) or ``STATEFULSET_KERNELS=0`` is set,
-:func:`library` returns None, every caller runs its Python version and the reason is logged once
-at INFO on the ``statefulset`` logger. The results are identical either way, dtypes included.
-The environment is read once, at the first call that needs a kernel.
+1. **Installed** (the normal case): ``statefulset/index/_kernels.<abi>.so``, compiled by
+   ``pip install`` (``setup.py``, also for ``pip install -e .``) and shipped in the wheel. It sits
+   beside the package's Python files and is trusted as they are; no compiler is needed at job
+   start. It records the SHA-256 of the ``kernels.c`` it was built from, and one built from another
+   source (an editable checkout edited since its last build) is not used.
+2. **Private build** (fallback, logged as a WARNING): :mod:`statefulset.index.private_build`
+   compiles ``kernels.c`` once into this user's own folder (0700, owned by this user, writable by
+   nobody else, else refused) and checks the library's recorded SHA-256 before loading it.
+3. **Python**: without either (no compiler, a refused folder, a broken library) or with
+   ``STATEFULSET_KERNELS=0``, :func:`library` returns None and every caller runs its Python
+   version: the same results, dtypes included, 10–100x slower. That is logged once, as a WARNING
+   (INFO when the kernels were turned off on purpose).
 
-A fresh node would compile once (~0.2 s of a C compiler) before its first native sample. So a
-stream's cache folder is also a place to share the library (:func:`share_from`, called when a
-stream opens with its ``path_to_cache``): a library found there is loaded as it is (its name
-pins the source, compiler, flags and platform), and one compiled here is copied there for the
-next node. ``statefulset prepare`` compiles it there ahead of time.
+No library is ever loaded from ``path_to_cache`` or any other folder that other users or jobs can
+write (CONTRACT §14). Both builds use ``-ffp-contract=off`` and no fast-math: no fused
+multiply-add, so every floating-point expression rounds exactly as in megatron-core's
+``helpers.cpp`` and in the Python fallbacks. The environment is read once, at the first call
+that needs a kernel.
 
 The callers (:mod:`statefulset.index.megatron.sample_index`, :mod:`statefulset.index.megatron.blend`,
 :mod:`statefulset.index.native.permutation`, :mod:`statefulset.index.native.windows`) take
@@ -33,14 +33,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import logging
-import os
-import platform
-import secrets
-import shlex
-import subprocess
-import sys
-import sysconfig
 import threading
 from pathlib import Path
 
@@ -48,80 +42,22 @@ import numpy
 
 from statefulset import settings
 from statefulset.errors import StatefulsetError
+from statefulset.index import private_build
 
-__all__ = ["available", "library", "pick"]
+__all__ = ["available", "library", "origin", "pick", "reason"]
 
 logger = logging.getLogger("statefulset")
 
 _SOURCE = Path(__file__).with_name("kernels.c")
-_FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off")
-_ABI = 3
-_COMPILE_TIMEOUT = 300
-
+_INSTALLED = f"{__name__.rpartition('.')[0]}._kernels"  # the extension module setup.py builds
+_ABI = 4
+_REBUILD = "pip install . (or pip install -e . / python setup.py build_ext --inplace in a checkout)"
 
 _lock = threading.Lock()
-_state: dict[str, object] = {"loaded": False, "lib": None, "reason": None}
-_shared: list[Path] = []  # folders other nodes see: path_to_cache/kernels
+_state: dict[str, object] = {"loaded": False, "lib": None, "reason": None, "origin": None}
 
 
-def share_from(folder: str | os.PathLike[str]) -> None:
-    """Look for (and leave) the compiled library in ``folder`` too; a no-op once it is loaded."""
-    path = Path(folder)
-    if path not in _shared:
-        _shared.append(path)
-
-
-# --------------------------------------------------------------------------- building and loading
-
-
-def _compiler() -> list[str]:
-    return shlex.split(settings.CC.get())
-
-
-def _cache_dir() -> Path:
-    configured = settings.KERNEL_DIR.get()
-    return Path(configured) if configured else Path(settings.user_cache_dir())
-
-
-def _library_path(source: bytes, compiler: list[str]) -> Path:
-    digest = hashlib.sha256()
-    platform_tag = f"{sys.platform}|{platform.machine()}|{sysconfig.get_platform()}"
-    for part in (source, "\0".join(compiler).encode(), "\0".join(_FLAGS).encode(), platform_tag.encode()):
-        digest.update(len(part).to_bytes(8, "little"))
-        digest.update(part)
-    return _cache_dir() / f"statefulset-kernels-{digest.hexdigest()[:24]}.so"
-
-
-def _compile(source: bytes, compiler: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{secrets.token_hex(6)}"
-    source_file = target.with_name(f"{target.stem}.{tag}.c")
-    temporary = target.with_name(f"{target.stem}.{tag}.tmp")
-    try:
-        source_file.write_bytes(source)
-        run = subprocess.run(
-            [*compiler, *_FLAGS, "-o", str(temporary), str(source_file)],
-            capture_output=True,
-            text=True,
-            timeout=_COMPILE_TIMEOUT,
-        )
-        if run.returncode != 0:
-            raise OSError(f"{shlex.join(compiler)} exited with {run.returncode}: {run.stderr.strip()[-2000:]}")
-        os.replace(temporary, target)
-    finally:
-        source_file.unlink(missing_ok=True)
-        temporary.unlink(missing_ok=True)
-
-
-def _publish(built: Path, there: Path) -> None:
-    """Copy the library where other nodes look (best effort: a read-only folder just stays empty)."""
-    try:
-        there.parent.mkdir(parents=True, exist_ok=True)
-        temporary = there.with_name(f"{there.stem}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
-        temporary.write_bytes(built.read_bytes())
-        os.replace(temporary, there)
-    except OSError as error:
-        logger.debug("could not share the compiled kernels in %s: %s", there.parent, error)
+# --------------------------------------------------------------------------- finding and loading
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -162,32 +98,51 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_window_pieces.restype = i64
 
 
-def _open() -> ctypes.CDLL:
-    source = _SOURCE.read_bytes()
-    compiler = _compiler()
-    if not compiler:
-        raise OSError("CC is set but empty")
-    target = _library_path(source, compiler)
-    shared = next((d / target.name for d in _shared if (d / target.name).exists()), None)
-    if shared is not None and not target.exists():
-        target = shared  # another node compiled it (or statefulset prepare did)
-    if not target.exists():
-        _compile(source, compiler, target)
-        for folder in _shared:
-            _publish(target, folder / target.name)
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError:
-        # A damaged file (copied in by hand, a full disk ...): build it once more.
-        _compile(source, compiler, target)
-        lib = ctypes.CDLL(str(target))
+def _load(path: Path, source_digest: str | None) -> ctypes.CDLL:
+    """Open ``path`` and check its ABI and (when the source is here) the source it was built from."""
+    lib = ctypes.CDLL(str(path))
     lib.sf_abi_version.restype = ctypes.c_int32
     version = lib.sf_abi_version()
     if version != _ABI:
-        raise OSError(f"{target} has kernel ABI {version}, expected {_ABI}")
+        raise OSError(f"{path} has kernel ABI {version}, expected {_ABI}")
+    lib.sf_source_sha256.restype = ctypes.c_char_p
+    built_from = lib.sf_source_sha256().decode()
+    if source_digest is not None and built_from != source_digest:
+        raise OSError(f"{path} was built from another kernels.c (SHA-256 {built_from[:12] or 'unknown'}...)")
     _declare(lib)
-    logger.debug("compiled kernels loaded from %s", target)
     return lib
+
+
+def _installed() -> Path | None:
+    """The library the package was installed with, or None."""
+    try:
+        found = importlib.util.find_spec(_INSTALLED)
+    except (ImportError, ValueError):
+        return None
+    return Path(found.origin) if found is not None and found.origin else None
+
+
+def _open() -> tuple[ctypes.CDLL, Path]:
+    """The installed library, else a checked private build (with a WARNING); raises when neither works."""
+    source = _SOURCE.read_bytes() if _SOURCE.exists() else None
+    source_digest = hashlib.sha256(source).hexdigest() if source is not None else None
+    installed = _installed()
+    if installed is not None:
+        try:
+            return _load(installed, source_digest), installed
+        except (OSError, AttributeError) as error:  # AttributeError: a symbol is missing
+            why = f"the installed kernels are not usable ({error})"
+    else:
+        why = f"the kernels were not installed with the package ({_INSTALLED} not found)"
+    if source is None:
+        raise OSError(f"{why}, and {_SOURCE} is missing: nothing to build; reinstall with {_REBUILD}")
+    try:
+        path = private_build.private_library(source, source_digest, logger.warning)
+        lib = _load(path, source_digest)
+    except Exception as error:
+        raise StatefulsetError(f"{why}, and the private build failed ({type(error).__name__}: {error})") from error
+    logger.warning("%s: using a private build in %s; to build them at install time, %s", why, path.parent, _REBUILD)
+    return lib, path
 
 
 def library() -> ctypes.CDLL | None:
@@ -196,25 +151,40 @@ def library() -> ctypes.CDLL | None:
         return _state["lib"]  # type: ignore[return-value]
     with _lock:
         if not _state["loaded"]:
-            lib, reason = None, None
+            lib, path, why = None, None, None
             if not settings.KERNELS.get():
-                reason = "disabled by STATEFULSET_KERNELS"
+                why = "turned off by STATEFULSET_KERNELS"
+                logger.info("compiled kernels unavailable (%s); using the Python implementations", why)
             else:
                 try:
-                    lib = _open()
-                except Exception as error:  # no compiler, read-only cache, bad CC, ...
-                    reason = f"{type(error).__name__}: {error}"
-            if lib is None:
-                logger.info("compiled kernels unavailable (%s); using the Python implementations", reason)
-            _state.update(lib=lib, reason=reason, loaded=True)
+                    lib, path = _open()
+                except Exception as error:  # no compiler, a refused folder, a broken library, ...
+                    why = f"{type(error).__name__}: {error}"
+                    logger.warning(
+                        "compiled kernels unavailable (%s); using the Python implementations "
+                        "(the same results, 10-100x slower)",
+                        why,
+                    )
+            _state.update(lib=lib, reason=why, origin=path, loaded=True)
     return _state["lib"]  # type: ignore[return-value]
+
+
+def origin() -> Path | None:
+    """The file of the kernels in use (installed or private build), or None (loads them first)."""
+    library()
+    return _state["origin"]  # type: ignore[return-value]
+
+
+def reason() -> str | None:
+    """Why the kernels are unavailable, or None (loads them first)."""
+    library()
+    return _state["reason"]  # type: ignore[return-value]
 
 
 def _reset() -> None:
     """Forget the loaded library so that the next call looks at the environment again (tests)."""
     with _lock:
-        _state.update(loaded=False, lib=None, reason=None)
-        _shared.clear()
+        _state.update(loaded=False, lib=None, reason=None, origin=None)
 
 
 def address(array: numpy.ndarray, dtype: type) -> int:

@@ -1,9 +1,10 @@
 /*
- * Compiled kernels for statefulset.kernels, loaded with ctypes (no Python.h).
+ * Compiled kernels for statefulset.index.compiled, loaded with ctypes (no Python.h here).
  *
- * Built at first use with `cc -O2 -shared -fPIC -ffp-contract=off`: no fused multiply-add and
- * no fast-math, so every double expression below rounds exactly like megatron-core's helpers.cpp
- * and like the pure-Python fallbacks in kernels.py. The Python side validates shapes, dtypes
+ * Built at install time (setup.py: the wheel's statefulset/index/_kernels.<abi>.so) or, as a
+ * fallback, into the user's private folder, always with -ffp-contract=off and never fast-math: no
+ * fused multiply-add, so every double expression below rounds exactly like megatron-core's
+ * helpers.cpp and like the Python fallbacks beside each caller. The Python side validates shapes, dtypes
  * and scalar ranges and allocates every buffer; these functions only read and write inside the
  * lengths they are given, and report bad array contents through their return code.
  */
@@ -12,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SF_KERNELS_ABI 3
+#define SF_KERNELS_ABI 4
 
 /* The walk reads lengths[] at random (one read per document_index entry): ask for the entry
  * SF_PREFETCH_AHEAD positions on early. Only a hint, it never changes a result; ~30% faster on
@@ -29,7 +30,15 @@
 #define SF_NEGATIVE_LENGTH 2 /* sequence_lengths[document_index[*where]] < 0 */
 #define SF_TOKEN_MISMATCH 3 /* the document index holds *where tokens, not epochs * tokens_per_epoch */
 
+/* The SHA-256 (hex) of the kernels.c this library was built from, passed by the build
+ * (-DSF_SOURCE_SHA256="..."): the loader refuses a library built from another source. */
+#ifndef SF_SOURCE_SHA256
+#define SF_SOURCE_SHA256 ""
+#endif
+
 int32_t sf_abi_version(void) { return SF_KERNELS_ABI; }
+
+const char *sf_source_sha256(void) { return SF_SOURCE_SHA256; }
 
 /* Row `row` of the sample index, in the caller's width. */
 static inline void sf_store(void *out, int32_t wide, int64_t row, int64_t position, int64_t offset) {

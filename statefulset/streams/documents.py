@@ -91,7 +91,11 @@ _CONSTANT_ROWS: dict[int, tuple[numpy.ndarray, numpy.ndarray, int, int]] = {}
 
 
 def _constant_rows(seq_length: int) -> tuple[numpy.ndarray, numpy.ndarray, int, int]:
-    """``0..S-1`` (int64) and ``S+1`` copies of ``S`` (int32), and their addresses: rows the kernel copies."""
+    """``0..S-1`` (int64) and ``S+1`` copies of ``S`` (int32), and their addresses: rows the kernel copies.
+
+    The caller holds the returned tuple across its kernel call: the cache may drop these rows at
+    any time (another thread asking for other lengths), and an address alone keeps nothing alive.
+    """
     found = _CONSTANT_ROWS.get(seq_length)
     if found is None:
         if len(_CONSTANT_ROWS) > 8:  # a few sequence lengths per process at most
@@ -132,8 +136,11 @@ def _fields_compiled(
         top = block[cu_room : cu_room + rows * 4].view(numpy.int32)
         pos = block[cu_room + max_room :].view(numpy.int64).reshape(rows, seq_length)
         addresses = (base, base + cu_room, base + cu_room + max_room)
-    _, _, iota, fill = _constant_rows(seq_length)
-    code = lib.sf_document_fields(packed.ctypes.data, rows, seq_length, *addresses, iota, fill)
+    # The kernel gets raw addresses: every array behind one is held by a local of this frame until
+    # the call returns (packed, block or given's arrays, and the constant rows), so another
+    # read-ahead thread evicting _CONSTANT_ROWS cannot free what the kernel is reading (C9).
+    constant = _constant_rows(seq_length)
+    code = lib.sf_document_fields(packed.ctypes.data, rows, seq_length, *addresses, constant[2], constant[3])
     return {"cu_seqlens": cu, "max_seqlen": top, "position_ids": pos} if code == 0 else None
 
 

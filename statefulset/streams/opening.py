@@ -19,7 +19,6 @@ import numpy
 
 from statefulset import settings
 from statefulset.errors import StatefulsetError
-from statefulset.index import compiled
 from statefulset.index.cache import builds as cache_builds
 from statefulset.shards.digests import shard_digest
 from statefulset.shards.reader import IndexedDataset
@@ -87,7 +86,6 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     # cache, so that processes and workers of a node never rebuild what another one built.
     cache_root = cache_folder(spec)
     memo = os.path.join(cache_root, "facts")
-    compiled.share_from(os.path.join(cache_root, "kernels"))
     datasets, ranges, digests = [], [], []
     data_key = spec.data_key(split)
     for prefix, _ in live:

@@ -19,7 +19,6 @@ from typing import Any
 from tqdm import tqdm
 
 from statefulset.errors import StatefulsetError
-from statefulset.index import compiled
 from statefulset.index.cache import builds as cache_builds
 from statefulset.shards import facts
 from statefulset.shards.digests import shard_digest
@@ -37,7 +36,6 @@ class PrepareReport:
     checked: int = 0  # shards this run checked in full (the rest were known)
     digested: int = 0
     splits: dict[str, dict[str, Any]] = field(default_factory=dict)
-    kernels: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
 
     def text(self) -> str:
@@ -49,8 +47,6 @@ class PrepareReport:
         for split, item in self.splits.items():
             built = ", ".join(f"{n} {k}" for k, n in item["built"].items()) or "nothing built (already cached)"
             lines.append(f"  {split}: {item['samples']} samples, {built}, in {item['seconds']:.2f} s")
-        kernels = "ready" if self.kernels else "unavailable (no C compiler: Python versions are used)"
-        lines.append(f"  compiled kernels: {kernels} in {self.seconds.get('kernels', 0.0):.2f} s")
         lines.append(f"  total {self.seconds.get('total', 0.0):.2f} s")
         return "\n".join(lines)
 
@@ -107,9 +103,5 @@ def prepare(
         built = {k: n - built_before.get(k, 0) for k, n in cache_builds.items() if n > built_before.get(k, 0)}
         samples = "unbounded (native)" if stream.unbounded else f"{len(stream):,}"
         report.splits[split] = {"samples": samples, "built": built, "seconds": time.perf_counter() - t}
-    t = time.perf_counter()
-    compiled.share_from(os.path.join(cache, "kernels"))
-    report.kernels = compiled.library() is not None  # compiled now, or found: a new node loads it
-    report.seconds["kernels"] = time.perf_counter() - t
     report.seconds["total"] = time.perf_counter() - started
     return report
