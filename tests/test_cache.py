@@ -348,3 +348,28 @@ def test_waiting_for_a_stuck_builder_is_bounded_and_says_for_what(tmp_path, monk
     finally:
         open(go, "w").close()
         assert child.wait(timeout=60) == 0
+
+
+def test_storing_an_entry_never_changes_the_process_umask(tmp_path, monkeypatch):
+    """C8: the umask is the whole process's; setting it to 0 even for an instant made files that
+    other threads created meanwhile world-writable. The entry still gets the modes of any folder
+    and file the user makes. (Fails on 5cf6a81: _umask() called os.umask(0) then put it back.)"""
+    calls = []
+    real = os.umask
+
+    def recording(mask):
+        calls.append(mask)
+        return real(mask)
+
+    previous = real(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", recording)
+        arrays = {"a": numpy.arange(10, dtype=numpy.int64)}
+        loaded = IndexCache(str(tmp_path)).get_or_build("Kind", {"x": 1}, lambda: arrays)
+        numpy.testing.assert_array_equal(loaded["a"], arrays["a"])
+    finally:
+        real(previous)
+    assert calls == []
+    (entry,) = [p for p in tmp_path.iterdir() if p.name.startswith("Kind-") and p.is_dir()]
+    assert entry.stat().st_mode & 0o777 == 0o750
+    assert {p.stat().st_mode & 0o777 for p in entry.iterdir()} == {0o640}

@@ -22,8 +22,8 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -125,7 +125,7 @@ class IndexCache:
     @staticmethod
     def _store(path: str, description: dict[str, Any], arrays: dict[str, numpy.ndarray]) -> None:
         parent = os.path.dirname(path)
-        tmp = tempfile.mkdtemp(dir=parent, prefix=_temp_prefix(path))
+        tmp = _make_folder(parent, _temp_prefix(path))
         try:
             for name, array in arrays.items():
                 with open(os.path.join(tmp, name + ".npy"), "wb") as f:
@@ -140,7 +140,6 @@ class IndexCache:
                 json.dump(manifest, f, indent=2, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o777 & ~_umask())
             try:
                 os.rename(tmp, path)
             except OSError as exc:
@@ -160,7 +159,16 @@ def _timed_build(kind: str, build: Callable[[], dict[str, numpy.ndarray]], where
     return arrays
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _make_folder(parent: str, prefix: str) -> str:
+    """A new folder ``<parent>/<prefix><random>`` with the mode any folder the user makes gets
+    (0777 less the umask, applied by the kernel): unlike ``tempfile.mkdtemp`` (0700), the entry
+    it becomes is readable by whoever may read the cache. The umask is never changed, not even
+    for an instant: other threads create files meanwhile."""
+    for _ in range(100):  # 64 random bits: a second try is already unheard of
+        tmp = os.path.join(parent, prefix + secrets.token_hex(8))
+        try:
+            os.mkdir(tmp, 0o777)
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}: 100 random folder names {prefix}* all exist")
