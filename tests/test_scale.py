@@ -18,7 +18,7 @@ import numpy
 import pytest
 
 from statefulset import IndexedDatasetWriter, StatefulsetError, open_stream
-from statefulset.shards import facts, locks
+from statefulset.shards import facts, liveness, locks
 from statefulset.tools.cli import main as cli
 from statefulset.tools.prepare import prepare
 
@@ -196,7 +196,7 @@ class TestLockFile:
         lock = str(tmp_path / "x.lock")
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         with open(lock + ".held", "w") as f:
-            json.dump({"host": locks._HOST, "pid": int(dead.stdout)}, f)
+            json.dump({"node": liveness.node(), "pid": int(dead.stdout), "start": 1}, f)
         with locks.exclusive(lock, "x", "probing") as held:
             assert held
 
@@ -209,7 +209,7 @@ class TestLockFile:
         os.utime(lock + ".held", (old, old))
         with caplog.at_level(logging.WARNING, logger="statefulset"), locks.exclusive(lock, "x", "probing") as held:
             assert held
-        assert "removing the stale lock" in caplog.text
+        assert "removed the stale lock" in caplog.text
 
     def test_a_live_holder_bounds_the_wait(self, tmp_path, monkeypatch):
         monkeypatch.setenv("STATEFULSET_LOCK", "file")
