@@ -16,6 +16,15 @@ requests per worker be outstanding, and asks a worker for its next batch only af
 took one of its batches. So while the trainer reads slot ``k`` of a worker, that worker can be
 writing at most its batch ``k + prefetch_factor``, in another slot.
 
+That is torch's policy, not a promise (:mod:`statefulset.loading.torch_internals`), so the ring
+checks it: each slot has two sequence stamps in shared memory. The worker writes the bundle's
+first batch number to the *begin* stamp before it writes the slot and to the *end* stamp after;
+the trainer, after copying the slot out, checks that both equal the batch it expected. A worker
+that started to refill the slot during the copy has changed the begin stamp, and the trainer
+raises a ``StatefulsetError`` naming the slot instead of handing over a torn batch. (The stamps
+are plain stores: on x86 they are seen in program order; CPUs with weaker ordering, such as
+ARM, may let a refill show before its begin stamp, so there the check is not a full guarantee.)
+
 Errors inside a worker travel the same way, as ``("error", worker, t, message)``, so the trainer
 raises one ``StatefulsetError`` naming the worker and the batch, not a worker traceback.
 """
@@ -85,8 +94,30 @@ class BatchRing:
         self.block = torch.empty(workers * slots * self.slot_bytes, dtype=torch.uint8).share_memory_()
         # Raised by each worker as its first act (statefulset.loading.worker_start watches them).
         self.started = torch.zeros(workers, dtype=torch.int8).share_memory_()
+        # Per slot: the begin and end sequence stamps (the first batch number of the bundle in it).
+        self.stamps = torch.full((workers, slots, 2), -1, dtype=torch.int64).share_memory_()
         self._flat = self.block.numpy()
+        self._stamps = self.stamps.numpy()
         self._views: dict[tuple[int, int], dict[str, numpy.ndarray]] = {}
+
+    def begin(self, worker: int, slot: int, sequence: int) -> None:
+        """The worker is about to write ``sequence`` (a bundle's first batch number) into the slot."""
+        self._stamps[worker, slot, 0] = sequence
+
+    def end(self, worker: int, slot: int, sequence: int) -> None:
+        """The worker has written all of ``sequence`` into the slot."""
+        self._stamps[worker, slot, 1] = sequence
+
+    def check(self, worker: int, slot: int, sequence: int) -> None:
+        """After the trainer copied the slot out: it held all of ``sequence`` and nothing else began."""
+        begin, end = (int(x) for x in self._stamps[worker, slot])
+        if begin != sequence or end != sequence:
+            raise StatefulsetError(
+                f"batch ring: slot {slot} of DataLoader worker {worker} holds stamps begin={begin}, end={end} "
+                f"after the trainer copied micro-batch {sequence} out of it (expected {sequence} for both): "
+                f"the worker refilled the slot during the copy, so torch {torch.__version__} prefetches more "
+                "than the ring was sized for (statefulset.loading.torch_internals)"
+            )
 
     def view(self, worker: int, slot: int) -> dict[str, numpy.ndarray]:
         """Slot ``slot`` of ``worker``: each field as ``[bundle, batch_size, *shape]`` of its dtype."""
@@ -105,11 +136,12 @@ class BatchRing:
         return found
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_views")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_stamps", "_views")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._flat = self.block.numpy()
+        self._stamps = self.stamps.numpy()
         self._views = {}
 
 
@@ -183,11 +215,12 @@ class BatchSource(IterableDataset):
             for t, rows in self.batches(ring.dtype, info.id, info.num_workers, ring.bundle):
                 view = ring.view(info.id, bundles % ring.slots)
                 if first is not None and t != first + filled:  # the next bundle began: send this one
-                    yield "bundle", info.id, bundles % ring.slots, first, filled
+                    yield _sent(ring, info.id, bundles % ring.slots, first, filled)
                     bundles, filled, first = bundles + 1, 0, None
                     view = ring.view(info.id, bundles % ring.slots)
                 if first is None:
                     first = t
+                    ring.begin(info.id, bundles % ring.slots, first)
                 target = {name: array[filled] for name, array in view.items()}
                 if rows is None:
                     self._build(t, out=target)
@@ -196,12 +229,18 @@ class BatchSource(IterableDataset):
                         target[name][...] = value
                 filled += 1
                 if filled == ring.bundle:
-                    yield "bundle", info.id, bundles % ring.slots, first, filled
+                    yield _sent(ring, info.id, bundles % ring.slots, first, filled)
                     bundles, filled, first = bundles + 1, 0, None
             if filled:
-                yield "bundle", info.id, bundles % ring.slots, first, filled
+                yield _sent(ring, info.id, bundles % ring.slots, first, filled)
         except Exception as exc:  # reported by the trainer, naming this worker and batch
             yield "error", info.id, t, f"{type(exc).__name__}: {exc}"
+
+
+def _sent(ring: BatchRing, worker: int, slot: int, first: int, count: int) -> tuple[Any, ...]:
+    """The note for a filled slot, after its end stamp is written."""
+    ring.end(worker, slot, first)
+    return "bundle", worker, slot, first, count
 
 
 def receive(source: BatchSource, item: Any, expected: int) -> list[dict[str, torch.Tensor]]:
@@ -212,7 +251,10 @@ def receive(source: BatchSource, item: Any, expected: int) -> list[dict[str, tor
         raise StatefulsetError(f"DataLoader worker {worker}, building {where}: {message}")
     if item[0] == "bundle":
         _, worker, slot, t, count = item
-        view = source.ring.view(worker, slot)  # type: ignore[union-attr]
+        if t != expected:
+            raise StatefulsetError(f"internal: expected micro-batch {expected}, worker {worker} delivered {t}")
+        ring: BatchRing = source.ring  # type: ignore[assignment]
+        view = ring.view(worker, slot)
         batches: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
         for name, array in view.items():
             # Copied out of the slot now (text widened to int64): the worker may refill it once we
@@ -222,6 +264,7 @@ def receive(source: BatchSource, item: Any, expected: int) -> list[dict[str, tor
             values.numpy()[:] = array[:count]
             for batch, value in zip(batches, values.unbind(0), strict=True):
                 batch[name] = value
+        ring.check(worker, slot, t)
     else:
         t, arrays = item
         count, batches = 1, [{name: torch.from_numpy(value) for name, value in arrays.items()}]

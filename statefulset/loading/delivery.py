@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from statefulset.errors import StatefulsetError
 from statefulset.index.native.keys import derive_key
+from statefulset.loading import torch_internals
 from statefulset.loading.batches import BatchRing, BatchSource, bundle_size, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.state import Cursor
@@ -71,6 +72,7 @@ class Delivery:
         self.loader, self.source = _data_loader(self.dataset, cursor, self.options)
         self.iterator = iter(self.loader)
         if self.start_watch is not None:
+            torch_internals.check_iterator(self.iterator)
             self.start_watch.watch(self.source.ring.started)
 
     def _get(self, period: float | None) -> Any:
@@ -104,7 +106,7 @@ class Delivery:
         """The next item within ``period`` seconds (None: no bound), or TimedOut."""
         # DataLoader reads its timeout for each batch; a timed-out wait leaves the iterator intact.
         limits = [x for x in (period, self.timeout or None) if x]
-        self.iterator._timeout = min(limits) if limits else 0
+        torch_internals.set_wait_timeout(self.iterator, min(limits) if limits else 0)
         try:
             return next(self.iterator)
         except RuntimeError as exc:

@@ -26,6 +26,7 @@ from typing import Any
 
 from statefulset import settings
 from statefulset.errors import StatefulsetError
+from statefulset.loading import torch_internals
 
 log = logging.getLogger("statefulset")
 MAX_STARTS = 4
@@ -68,7 +69,7 @@ class StartWatch:
         """``(worker, pid)`` of the workers whose flag is down, once the start timeout has passed."""
         if not self.pending() or time.monotonic() - self.since < self.timeout:
             return []
-        workers = getattr(iterator, "_workers", [])
+        workers = torch_internals.worker_processes(iterator)
         return [(w, workers[w].pid if w < len(workers) else None) for w in range(len(self.flags)) if not self.flags[w]]
 
     def restarted(self, stuck: list[tuple[int, int | None]], next_t: int) -> None:
@@ -95,15 +96,4 @@ class StartWatch:
 
 def stop_workers(iterator: Any, stuck: list[tuple[int, int | None]]) -> None:
     """Stop a DataLoader iterator's workers, the ``stuck`` ones (running no Python) by SIGKILL."""
-    from torch.utils.data._utils import signal_handling
-
-    # Off torch's SIGCHLD watch first: a watched worker that dies by a signal makes the trainer raise.
-    if getattr(iterator, "_worker_pids_set", False):
-        signal_handling._remove_worker_pids(id(iterator))
-        iterator._worker_pids_set = False
-    workers = getattr(iterator, "_workers", [])
-    for w, _ in stuck:
-        if w < len(workers) and workers[w].is_alive():
-            workers[w].kill()  # not SIGTERM: the child may have inherited a handler it never runs
-            workers[w].join(timeout=5)
-    iterator._shutdown_workers()  # the started ones leave on their done event
+    torch_internals.stop_workers(iterator, [w for w, _ in stuck])
