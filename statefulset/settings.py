@@ -122,6 +122,12 @@ TASK_TIMEOUT = Setting(
     "STATEFULSET_TASK_TIMEOUT", 3600.0, _positive_seconds, "a positive number of seconds",
     "preprocess stops, naming the units still held, when no worker or Ray task finished anything for this long.",
 )  # fmt: skip
+TEST_GATE = Setting(
+    "STATEFULSET_TEST_GATE", "", _text, "a file path",
+    "Tests only: while this file exists, preprocess units wait before they start (a Ray task only when its "
+    "number is at least the one the file holds; blank holds all), at most STATEFULSET_TASK_TIMEOUT, so that "
+    "a fault test's kill always lands mid-run.",
+)  # fmt: skip
 POOL_LOG_SECONDS = Setting(
     "STATEFULSET_POOL_LOG_SECONDS", 60.0, _positive_seconds, "a positive number of seconds",
     "preprocess --workers logs what it still waits for at this interval.",

@@ -26,7 +26,7 @@ from statefulset.errors import StatefulsetError
 from statefulset.shards import idx_format
 from statefulset.shards.tokenizers import TokenizerSpec
 from statefulset.shards.writer import IndexedDatasetWriter
-from statefulset.tools import locations
+from statefulset.tools import fault_gate, locations
 from statefulset.tools.progress import Progress
 from statefulset.tools.worker_pool import WorkerDied, ordered_map
 
@@ -326,18 +326,23 @@ def _encode(chunk: _Chunk) -> _Encoded:
     return _Encoded(documents, arrays, bad, len(lines), blank, chunk.nbytes)
 
 
+def _encode_unit(chunk: _Chunk) -> _Encoded:
+    fault_gate.hold()  # tests only: a kill lands while the units are held
+    return _encode(chunk)
+
+
 def _results(chunks: Iterator[_Chunk], workers: int, init_args: tuple) -> Iterator[tuple[_Chunk, _Encoded]]:
     """(chunk, encoded chunk) in input order, with a bounded number in flight."""
     if workers <= 1:
         _init_worker(*init_args)
         for chunk in chunks:
-            yield chunk, _encode(chunk)
+            yield chunk, _encode_unit(chunk)
         return
     # Our own pool (statefulset.tools.worker_pool): ProcessPoolExecutor was measured to hang when
     # its workers are killed, multiprocessing.Pool to lose the killed worker's chunk for good.
     try:
         yield from ordered_map(
-            _encode, chunks, workers=workers, initializer=_init_worker, initargs=init_args,
+            _encode_unit, chunks, workers=workers, initializer=_init_worker, initargs=init_args,
             describe=_describe_chunk,
         )  # fmt: skip
     except WorkerDied as exc:

@@ -1,0 +1,207 @@
+"""``preprocess --workers N`` (tools/worker_pool.py): large tasks and results never deadlock, and no worker
+outlives the run: not after the main process is killed, not after a worker is killed.
+
+Real processes throughout: the CLI in its own session, killed with SIGKILL; the workers held at a
+gate file (``STATEFULSET_TEST_GATE``) so the kill always lands while they hold units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import filecmp
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from statefulset import StatefulsetError
+from statefulset.tools.worker_pool import ordered_map
+
+WORDS = ["lorem", "ipsum", "dolor", "sit", "amet", "déjà", "vu", "naïve", "x" * 12, "tokens", "of", "the"]
+BOUND_S = 30.0  # how long workers may take to go once the run is over
+
+
+def _corpus(path, lines: int, seed: int, compress: bool = False) -> int:
+    r = random.Random(seed)
+    text = "".join(json.dumps({"text": " ".join(r.choices(WORDS, k=r.randint(5, 400)))}) + "\n" for _ in range(lines))
+    if compress:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return len(text.encode())
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "statefulset", "preprocess", *args, "--quiet"]
+
+
+def _same(a, b) -> bool:
+    return all(filecmp.cmp(f"{a}.{e}", f"{b}.{e}", shallow=False) for e in ("bin", "idx"))
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped (a zombie has ended: only its exit status is left)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def _wait_for(predicate, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def _run(command: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """The command in its own session, all of it killed if it runs past ``timeout`` (a hang fails the test)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kw)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{' '.join(command[:6])} ... did not finish in {timeout:g} s (a deadlock?)")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def test_megabyte_gzip_units_through_two_workers_finish_with_the_bytes_of_one(tmp_path):
+    """C1/H10: on 5cf6a81 this deadlocked forever: the main process blocked sending a 1 MiB gzip unit
+    into a worker's ~200 KB socket while the worker blocked sending its several-MB result back."""
+    _corpus(tmp_path / "a.jsonl", 2500, 0)
+    assert _corpus(tmp_path / "b.jsonl.gz", 5600, 1, compress=True) > 4 << 20  # five default 1 MiB units
+    inputs = ["--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz"), "--append-eod"]
+    for workers in (1, 2):
+        run = _run(_cli(*inputs, "--output-prefix", str(tmp_path / f"w{workers}"), "--workers", str(workers)), 300)
+        assert run.returncode == 0, run.stderr
+    assert _same(tmp_path / "w1_text_document", tmp_path / "w2_text_document")
+
+
+LARGE = """
+from statefulset.tools.worker_pool import ordered_map
+
+def double(item):
+    return item * 2
+
+def nothing():
+    pass
+
+items = [bytes([i]) * (3 << 20) for i in range(12)]  # 3 MiB out, 6 MiB back, 2 in flight per worker
+got = list(ordered_map(double, items, workers=2, initializer=nothing))
+assert [item for item, _ in got] == items and all(out == item * 2 for item, out in got)
+print("in order")
+"""
+
+
+def test_tasks_and_results_larger_than_any_pipe_buffer_flow_both_ways():
+    """On 5cf6a81 this deadlocked (in a child process here, so a regression fails instead of hanging)."""
+    run = _run([sys.executable, "-c", LARGE], 120)
+    assert run.returncode == 0 and run.stdout.strip() == "in order", run.stderr
+
+
+def _nothing() -> None:
+    pass
+
+
+def _fail_on_three(n: int) -> int:
+    if n == 3:
+        raise StatefulsetError("unit 3 is bad")
+    return n
+
+
+def test_a_worker_error_is_raised_in_input_order_and_the_workers_are_gone():
+    pool = ordered_map(_fail_on_three, range(8), workers=2, initializer=_nothing)
+    seen = []
+    with pytest.raises(StatefulsetError, match="unit 3 is bad"):
+        for _, value in pool:
+            seen.append(value)
+    assert seen == [0, 1, 2]
+    assert [c for c in _children(os.getpid()) if _alive(c)] == []
+
+
+@pytest.mark.parametrize("workers_state", ["held at the gate", "stopped"])
+def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state):
+    """On 5cf6a81 they never did: each worker inherited its siblings' pipe ends, so none saw end-of-file,
+    and nothing else tied them to their parent."""
+    _corpus(tmp_path / "in.jsonl", 4000, 2)
+    gate = tmp_path / "gate"
+    gate.write_text("")
+    env = {**os.environ, "STATEFULSET_TEST_GATE": str(gate)}
+    command = _cli("--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out"),
+                   "--workers", "3", "--chunk-bytes", "65536")  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    workers: list[int] = []
+    try:
+        _wait_for(lambda: len(_children(proc.pid)) >= 3, "the three workers")
+        workers = _children(proc.pid)
+        if workers_state == "stopped":
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.5)  # each worker holds its first unit at the gate (or is stopped)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.kill()
+        proc.wait()
+        _wait_for(lambda: not any(_alive(p) for p in workers), "the workers to end after their parent", BOUND_S)
+    finally:
+        gate.unlink()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_killed_worker_ends_the_run_with_a_named_error_and_no_process_left(tmp_path):
+    _corpus(tmp_path / "in.jsonl", 4000, 3)
+    gate = tmp_path / "gate"
+    gate.write_text("")
+    env = {**os.environ, "STATEFULSET_TEST_GATE": str(gate)}
+    command = _cli("--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out" / "x"),
+                   "--workers", "2", "--chunk-bytes", "65536")  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    try:
+        _wait_for(lambda: len(_children(proc.pid)) >= 2, "the two workers")
+        workers = _children(proc.pid)
+        os.kill(workers[0], signal.SIGKILL)
+        try:
+            code = proc.wait(timeout=BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("preprocess did not end after one of its workers was killed")
+        stderr = proc.stderr.read()
+        assert code == 2, stderr
+        assert "in.jsonl (bytes " in stderr and "a worker process killed by SIGKILL" in stderr, stderr
+        assert "Traceback" not in stderr
+        assert not any(_alive(p) for p in workers)
+        assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
+    finally:
+        gate.unlink()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
