@@ -6,6 +6,7 @@ import tempfile
 
 import numpy
 import pytest
+from no_skips import pytest_addoption, pytest_configure, pytest_runtest_setup  # noqa: F401  (the skip rule's hooks)
 
 from statefulset import IndexedDatasetWriter
 from statefulset.shards.idx_format import DTYPE_CODES

@@ -13,6 +13,7 @@ import logging
 import random
 
 import numpy
+import oracle
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,9 +25,8 @@ from statefulset.spec.splits import SPLITS
 from statefulset.streams.documents import Pieces, document_fields, gather_fields
 from statefulset.streams.opening import open_stream
 
-builder_module = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
-gpt_module = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer  # noqa: E402
+builder_module = oracle.module("megatron.core.datasets.blended_megatron_dataset_builder")
+gpt_module = oracle.module("megatron.core.datasets.gpt_dataset")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
@@ -65,7 +65,7 @@ def corpus(tmp_path_factory):
 def megatron_build(prefixes, weights, seed, seq_length, split, sizes):
     logging.disable(logging.WARNING)
     config = gpt_module.GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, tokenizer=NullTokenizer(50256), reset_position_ids=False,
+        random_seed=seed, sequence_length=seq_length, tokenizer=oracle.null_tokenizer(50256), reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, path_to_cache=None, create_attention_mask=False,
         blend=(prefixes, weights), split=split, inter_document_masking=True,
     )  # fmt: skip
@@ -81,6 +81,7 @@ def assert_fields_equal(ours: dict, theirs: list[dict]) -> None:
     assert ours["position_ids"].dtype == numpy.int64
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("case", range(10))
 def test_megatron_packing_equals_megatron_core_inter_document_masking(corpus, case):
     r = random.Random(case)

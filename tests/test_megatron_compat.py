@@ -5,12 +5,13 @@ from __future__ import annotations
 import filecmp
 
 import numpy
+import oracle
 import pytest
 from conftest import ALL_DTYPES, random_documents, write_documents
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, merge_datasets
 
-mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+mcore = oracle.module("megatron.core.datasets.indexed_dataset")
 
 
 def megatron_write(prefix, docs, dtype, multimodal=False, modes=None):
@@ -26,6 +27,7 @@ def same_files(a, b):
     return filecmp.cmp(f"{a}.bin", f"{b}.bin", shallow=False) and filecmp.cmp(f"{a}.idx", f"{b}.idx", shallow=False)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_writer_is_byte_identical_to_megatron_builder(tmp_path, rng, dtype):
     docs = random_documents(rng, dtype, n=80)
@@ -35,6 +37,7 @@ def test_writer_is_byte_identical_to_megatron_builder(tmp_path, rng, dtype):
     assert same_files(tmp_path / "ours", tmp_path / "theirs")
 
 
+@pytest.mark.oracle
 def test_batched_and_item_apis_are_byte_identical(tmp_path, rng):
     dtype = numpy.dtype(numpy.uint16)
     docs = random_documents(rng, dtype, n=200)
@@ -59,6 +62,7 @@ def test_batched_and_item_apis_are_byte_identical(tmp_path, rng):
     assert len(seqs) == len(IndexedDataset(tmp_path / "items"))
 
 
+@pytest.mark.oracle
 def test_multimodal_byte_identical(tmp_path, rng):
     dtype = numpy.dtype(numpy.int32)
     docs = random_documents(rng, dtype, n=30)
@@ -70,6 +74,7 @@ def test_multimodal_byte_identical(tmp_path, rng):
     assert same_files(tmp_path / "ours", tmp_path / "theirs")
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_we_read_megatron_files_and_megatron_reads_ours(tmp_path, rng, dtype):
     docs = random_documents(rng, dtype)
@@ -85,6 +90,7 @@ def test_we_read_megatron_files_and_megatron_reads_ours(tmp_path, rng, dtype):
         assert ours_on_theirs[i].dtype == theirs_on_ours[i].dtype
 
 
+@pytest.mark.oracle
 def test_merge_is_byte_identical_to_add_index(tmp_path, rng):
     dtype = numpy.dtype(numpy.uint16)
     prefixes = []

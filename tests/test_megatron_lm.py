@@ -62,8 +62,8 @@ def eod_corpus(tmp_path_factory):
 
 
 def _megatron_gpt(prefix, flags, pad, inter_document_masking=False):
-    gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-    builder = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
+    from megatron.core.datasets import blended_megatron_dataset_builder as builder
+    from megatron.core.datasets import gpt_dataset as gpt
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
     class PadTokenizer(NullTokenizer):
@@ -94,6 +94,7 @@ def _megatron_gpt(prefix, flags, pad, inter_document_masking=False):
     list(itertools.product([False, True], repeat=4)),
     ids=lambda f: "".join("PAEM"[i] if f[i] else "-" for i in range(4)),
 )
+@pytest.mark.oracle
 def test_gpt_batch_equals_megatron_core(eod_corpus, flags, pad):
     config, theirs = _megatron_gpt(eod_corpus, flags, pad)
     ours = GPTBatchConfig.from_gpt_dataset_config(config)
@@ -108,6 +109,7 @@ def test_gpt_batch_equals_megatron_core(eod_corpus, flags, pad):
         assert torch.equal(got[key], expected), key
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("pad", [False, True], ids=["no-pad", "pad5"])
 @pytest.mark.parametrize("eod_mask_loss", [False, True])
 def test_inter_document_masking_batch_equals_megatron_core(eod_corpus, eod_mask_loss, pad):
@@ -137,9 +139,10 @@ def test_inter_document_masking_batch_equals_megatron_core(eod_corpus, eod_mask_
         assert torch.equal(getattr(got, key), expected), key
 
 
+@pytest.mark.oracle
 def test_pad_token_follows_megatron_core(eod_corpus):
     """A pad id that collides with EOD falls back to -1, as in megatron-core's MegatronDataset."""
-    gpt = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets import gpt_dataset as gpt
     from megatron.core.datasets.utils import Split
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 

@@ -7,13 +7,14 @@ import gzip
 import json
 
 import numpy
+import oracle
 import pytest
 
 from statefulset import IndexedDataset, StatefulsetError
 from statefulset.shards.tokenizers import ByteTokenizer, HFTokenizer, TokenizerSpec
 from statefulset.tools.preprocess import preprocess
 
-mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+mcore = oracle.module("megatron.core.datasets.indexed_dataset")
 
 RECORDS = [
     {"text": "Hello, world.", "title": "first"},
@@ -56,6 +57,7 @@ def same(a, b):
     return all(filecmp.cmp(f"{a}.{e}", f"{b}.{e}", shallow=False) for e in ("bin", "idx"))
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("append_eod", [True, False])
 def test_byte_tokenizer_matches_megatron_semantics(tmp_path, append_eod):
     source = write_jsonl(tmp_path / "in.jsonl", RECORDS)
@@ -93,6 +95,7 @@ def hf_tokenizer_dir(tmp_path_factory):
     return folder
 
 
+@pytest.mark.oracle
 def test_hf_tokenizer_matches_megatron_semantics(tmp_path, hf_tokenizer_dir):
     source = write_jsonl(tmp_path / "in.jsonl", RECORDS)
     spec = TokenizerSpec(str(hf_tokenizer_dir))

@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 
 import numpy
+import oracle
 import pytest
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError
 from statefulset.index.megatron.gpt import build_gpt_indices
 from statefulset.spec.splits import parse_split, split_matrix, split_range
 
-builder_module = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
-gpt_module = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer  # noqa: E402
+builder_module = oracle.module("megatron.core.datasets.blended_megatron_dataset_builder")
+gpt_module = oracle.module("megatron.core.datasets.gpt_dataset")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def megatron_splits(prefix, seed, seq_length, split, num_samples):
     logging.disable(logging.WARNING)
     config = gpt_module.GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=([prefix], None), split=split,
-        tokenizer=NullTokenizer(50256), reset_position_ids=False, reset_attention_mask=False,
+        tokenizer=oracle.null_tokenizer(50256), reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=False, path_to_cache=None, create_attention_mask=False,
     )  # fmt: skip
     builder = builder_module.BlendedMegatronDatasetBuilder(
@@ -53,6 +53,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(("seed", "seq_length", "split", "num_samples"), CONFIGS)
 def test_indices_equal_megatron(corpus, seed, seq_length, split, num_samples):
     theirs = megatron_splits(corpus, seed, seq_length, split, num_samples)

@@ -11,16 +11,16 @@ import logging
 import random
 
 import numpy
+import oracle
 import pytest
 
 from statefulset import IndexedDatasetWriter, StatefulsetError
 from statefulset.spec.splits import SPLITS
 from statefulset.streams.opening import open_stream
 
-builder_module = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_builder")
-gpt_module = pytest.importorskip("megatron.core.datasets.gpt_dataset")
-blended_module = pytest.importorskip("megatron.core.datasets.blended_dataset")
-from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer  # noqa: E402
+builder_module = oracle.module("megatron.core.datasets.blended_megatron_dataset_builder")
+gpt_module = oracle.module("megatron.core.datasets.gpt_dataset")
+blended_module = oracle.module("megatron.core.datasets.blended_dataset")
 
 PREFIXES = 5
 pytestmark = pytest.mark.usefixtures("single_process_group")  # conftest: megatron-core's BlendedDataset needs it
@@ -46,7 +46,7 @@ def corpus(tmp_path_factory):
 def megatron_build(prefixes, weights, seed, seq_length, split, sizes, per_split=None):
     logging.disable(logging.WARNING)
     common = dict(
-        random_seed=seed, sequence_length=seq_length, tokenizer=NullTokenizer(50256), reset_position_ids=False,
+        random_seed=seed, sequence_length=seq_length, tokenizer=oracle.null_tokenizer(50256), reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False, path_to_cache=None, create_attention_mask=False,
     )  # fmt: skip
     if per_split is not None:
@@ -97,6 +97,7 @@ def random_config(case: int, corpus):
     return prefixes, weights, seq_length, split, seed, num_samples
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("case", range(40))
 def test_random_configs_match_megatron(corpus, case):
     prefixes, weights, seq_length, split, seed, num_samples = random_config(case, corpus)
@@ -120,6 +121,7 @@ def test_random_configs_match_megatron(corpus, case):
             assert_same_stream(spec, name, theirs[index])
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("case", range(6))
 def test_per_split_blends_match_megatron(corpus, case):
     r = random.Random(1000 + case)
@@ -163,6 +165,7 @@ def test_positions_outside_the_stream(corpus):
         stream[-1]
 
 
+@pytest.mark.oracle
 def test_leading_empty_sequences_match_megatron(tmp_path):
     """Sample 0's row is (0, 0) in megatron-core even when the shuffled index opens with empty sequences."""
     prefix = str(tmp_path / "empties")
@@ -179,6 +182,7 @@ def test_leading_empty_sequences_match_megatron(tmp_path):
     pytest.fail("no seed put an empty sequence first")
 
 
+@pytest.mark.oracle
 def test_a_sample_longer_than_its_split_matches_megatron_and_warns(tmp_path, caplog):
     """megatron-core lets a sample span more tokens than the whole split (it wraps into the next
     epoch's shuffled documents); the stream stays identical to megatron-core's, with a warning."""
