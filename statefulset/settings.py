@@ -175,7 +175,8 @@ CACHE_WAIT = Setting(
 LOCK = Setting(
     "STATEFULSET_LOCK", "flock", _choice("flock", "file"), "flock or file",
     "file: lock files with heartbeats instead of flock, for file systems whose flock is local to a node "
-    "(NFS local_lock, Lustre localflock); temporary files of other hosts are then judged by their heartbeat.",
+    "(NFS local_lock, Lustre localflock). Temporary files of shards being written never use flock: another "
+    "node's are judged by their heartbeat (stale after 300 s) in either mode.",
 )  # fmt: skip
 DIRECT_IO = Setting(
     "STATEFULSET_DIRECT_IO", True, _boolean, "one of 1/true/yes/on or 0/false/no/off",

@@ -23,7 +23,7 @@ import numpy
 import pytest
 
 from statefulset import IndexedDataset, IndexedDatasetWriter
-from statefulset.shards.temporaries import _HOST
+from statefulset.shards import liveness, temporaries
 
 TEMP = re.compile(r"^\.x_(text|title)_document\.bin\..*\.tmp$")
 
@@ -84,7 +84,7 @@ def test_killed_preprocess_is_cleaned_by_the_next_run(tmp_path, workers):
         assert proc.wait() == -signal.SIGKILL
         left = temps(out)
         assert len(left) == 2 and not (out / "x_text_document.idx").exists(), left
-        assert all(f".{_HOST}.{proc.pid}." in name for name in left)
+        assert all(f".{liveness.node_token()}.{proc.pid}." in name for name in left)
 
         again = subprocess.run(preprocess_cmd(small, out / "x", 1), capture_output=True, text=True)
         assert again.returncode == 0, again.stderr
@@ -119,16 +119,14 @@ def test_only_stale_temporaries_of_the_same_prefix_go(tmp_path, caplog):
         assert live.stdout.readline().strip() == "open"
         live_temp = temps(folder)
         assert len(live_temp) == 1 and f".{live.pid}." in live_temp[0]
-        # Left by writers on another host that shares the folder: one dead (no lock), one alive
-        # (a process holds the lock, as its writer would).
-        dead_remote = folder / ".p.bin.otherhost.4242.0123456789ab.tmp"
+        # Left by writers on another node that shares the folder: one dead (its heartbeat stopped
+        # STALE_S ago on the folder's clock), one alive (a fresh heartbeat, no flock to be seen).
+        dead_remote = folder / ".p.bin.otherhost-0011223344.4242.77.0123456789ab.tmp"
         dead_remote.write_bytes(b"x")
-        live_remote = folder / ".p.idx.otherhost.4243.ba9876543210.tmp"
+        past = liveness.server_now(str(folder)) - temporaries.STALE_S - 5
+        os.utime(dead_remote, (past, past))
+        live_remote = folder / ".p.idx.otherhost-0011223344.4243.77.ba9876543210.tmp"
         live_remote.write_bytes(b"x")
-        holder = subprocess.Popen(
-            [sys.executable, "-c", HOLD_LOCK, str(live_remote)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
-        assert holder.stdout.readline().strip() == b"locked"
         # Names from before host and pid were recorded: stale after an hour untouched.
         old_legacy = folder / ".p.bin.00000000000a.tmp"
         old_legacy.write_bytes(b"x")
@@ -148,8 +146,6 @@ def test_only_stale_temporaries_of_the_same_prefix_go(tmp_path, caplog):
         assert live_remote.exists() and new_legacy.exists() and all(p.exists() for p in others)
         assert (folder / live_temp[0]).exists()
         assert "removed 2 temporary file(s) left by killed writers" in caplog.text
-        holder.stdin.close()
-        holder.wait()
     finally:
         live.stdin.close()
         assert live.wait() == 0
@@ -157,17 +153,8 @@ def test_only_stale_temporaries_of_the_same_prefix_go(tmp_path, caplog):
     assert IndexedDataset(folder / "p")[0].tolist() == [1, 2, 3]  # the last writer to close wins
 
 
-HOLD_LOCK = """
-import fcntl, os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("locked", flush=True)
-sys.stdin.read()
-"""
-
-
 def test_forked_children_do_not_keep_a_dead_writers_file(tmp_path):
-    """The lock is closed in forked children, so an orphaned worker never pins a killed writer's file."""
+    """An orphaned worker never keeps a killed writer's file: the file names the writer's process."""
     script = textwrap.dedent(
         f"""
         import os, sys, time
@@ -252,3 +239,57 @@ def test_a_stuck_tokeniser_worker_stops_the_run_after_the_task_timeout(tmp_path)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_another_nodes_live_writer_keeps_its_file_without_a_visible_lock(tmp_path, monkeypatch):
+    """C6: on NFS mounted local_lock or Lustre localflock another node's lock cannot be seen from
+    here; its writer's fresh heartbeat keeps its file, with STATEFULSET_LOCK=file as without.
+    (Fails on 5cf6a81: a temporary of another host that no visible lock protected was removed.)"""
+    monkeypatch.setenv("STATEFULSET_LOCK", "file")
+    node = liveness.node_token()
+    other_container = node.rsplit("-", 1)[0] + "-ffffffffff"  # this hostname, another pid namespace
+    assert other_container != node
+    fresh = [
+        tmp_path / ".p.bin.othernode-0011223344.4242.77.0123456789ab.tmp",
+        tmp_path / f".p.idx.{other_container}.{os.getpid()}.77.0123456789ab.tmp",
+        tmp_path / ".p.bin.othernode.4242.0123456789ac.tmp",  # a name from before node tokens
+    ]
+    stale = [p.with_name(p.name.replace("0123456789a", "fedcba98765")) for p in fresh]
+    past = liveness.server_now(str(tmp_path)) - temporaries.STALE_S - 5
+    for path in fresh + stale:
+        path.write_bytes(b"x")
+    for path in stale:
+        os.utime(path, (past, past))
+    removed = temporaries.sweep(str(tmp_path), "p")
+    assert sorted(removed) == sorted(str(p) for p in stale)
+    assert all(p.exists() for p in fresh)
+
+
+HEARTBEAT_WRITER = """
+import sys
+from statefulset import IndexedDatasetWriter
+from statefulset.shards import temporaries
+temporaries.HEARTBEAT_S = 0.05
+w = IndexedDatasetWriter(sys.argv[1])
+w.add_document([1, 2, 3])
+print("open", flush=True)
+sys.stdin.read()
+w.close()
+"""
+
+
+def test_a_writer_keeps_its_temporary_files_heartbeat(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HEARTBEAT_WRITER, str(tmp_path / "p")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline().strip() == b"open"
+        (name,) = temps(tmp_path)
+        path = tmp_path / name
+        past = time.time() - 3600
+        os.utime(path, (past, past))  # as seen from a node whose writer stopped an hour ago
+        wait_for(lambda: os.stat(path).st_mtime > past + 1800, "the writer's heartbeat")
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    assert temps(tmp_path) == []
