@@ -252,3 +252,10 @@ def test_identities():
     assert not liveness.process_alive(_dead_pid(), None)
     assert liveness.alive({"node": "elsewhere//", "pid": 1}) is None
     assert abs(liveness.server_now(".") - time.time()) < 60  # a local folder: our own clock
+
+
+
+def test_the_clock_of_a_folder_that_cannot_be_probed_is_ours(tmp_path):
+    missing = str(tmp_path / "missing")  # as a read-only folder: no probe file can be made there
+    assert abs(liveness.server_now(missing) - time.time()) < 60
+    assert not os.path.exists(missing)

@@ -121,6 +121,7 @@ def server_now(folder: str) -> float:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
+        _clock_offsets[key] = (0.0, time.monotonic())  # not probed again for a while
         return time.time()
     try:
         os.utime(fd)  # as an owner's heartbeat does: on NFS the server sets the time
