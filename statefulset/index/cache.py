@@ -4,8 +4,9 @@ megatron-core keys its cache by the prefix *string*, so a re-tokenised corpus si
 stale indices, and it relies on "global rank 0 builds, everyone waits at a barrier", which breaks
 without a shared filesystem. Here:
 
-- the key hashes everything the arrays depend on, including each shard's *content* digest
-  (of its ``.idx``: the indices depend on sequence lengths only, and those live there);
+- the key hashes everything the arrays depend on, including each shard's *content* digest (of
+  its ``.idx``, which the indices depend on, and of its ``.bin``: a corpus re-tokenised into
+  byte-identical ``.idx`` files is other data, :mod:`statefulset.shards.digests`);
 - every process may build: an ``flock`` makes concurrent builders on one filesystem wait for
   the first, and on separate filesystems (one per node) each node builds its own copy; a waiter
   logs what it waits for and gives up after ``STATEFULSET_CACHE_WAIT`` seconds (default 3600);

@@ -132,9 +132,17 @@ class SavableLoader:
         """Continue exactly after the last batch the saving loader handed out. ``None`` does nothing."""
         if state is None:
             return
-        wc = self.worker_config
+        wc, stream = self.worker_config, self.dataset.stream
         self._restore(
-            fit_rank_state(state, self.dataset.stream.identity, wc.rank, wc.world_size, self.dataset.batch_size)
+            fit_rank_state(
+                state,
+                stream.identity,
+                wc.rank,
+                wc.world_size,
+                self.dataset.batch_size,
+                stream.source_prefixes,
+                stream.legacy_data,
+            )
         )
 
     # -- Megatron / Nanotron bookkeeping --------------------------------------------------------
@@ -215,8 +223,18 @@ class SavableLoader:
                 return
         if state is None:
             raise StatefulsetError(f"restore_state_global: DP rank {wc.rank} received no state")
-        identity = self.dataset.stream.identity
-        self._restore(fit_global_state(state, identity, wc.rank, wc.world_size, self.dataset.batch_size))
+        stream = self.dataset.stream
+        self._restore(
+            fit_global_state(
+                state,
+                stream.identity,
+                wc.rank,
+                wc.world_size,
+                self.dataset.batch_size,
+                stream.source_prefixes,
+                stream.legacy_data,
+            )
+        )
 
     def _receive_cursor(self, states: list[dict[str, Any]] | None, src_rank: int) -> Cursor:
         """DP rank ``src_rank`` checks the list once and sends each rank only its own cursor.
@@ -233,7 +251,10 @@ class SavableLoader:
         items, error = None, None
         if wc.rank == src_rank:
             try:
-                cursors = fit_global_states(states, stream.identity, wc.world_size, self.dataset.batch_size)
+                cursors = fit_global_states(
+                    states, stream.identity, wc.world_size, self.dataset.batch_size,
+                    stream.source_prefixes, stream.legacy_data,
+                )  # fmt: skip
                 items = [
                     msgpack.packb({"fingerprint": stream.fingerprint, "base": c.base, "batches": c.batches})
                     for c in cursors

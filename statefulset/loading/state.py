@@ -15,6 +15,8 @@ is checked before use; anything that does not fit raises ``StatefulsetError`` na
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +24,14 @@ import msgpack
 import numpy
 
 from statefulset.errors import StatefulsetError
+from statefulset.shards.digests import changed_shards
+
+logger = logging.getLogger("statefulset")
 
 FORMAT = "statefulset.loader"
-VERSION = 1
+# 2: identities cover each shard's .bin as well as its .idx (statefulset.shards.digests), and
+# identity holds "shards". Version 1 (statefulset 0.1.0) states are still read: see check_identity.
+VERSION = 2
 
 _IDENTITY_KEYS = {
     "packing": str,
@@ -36,8 +43,11 @@ _IDENTITY_KEYS = {
     "data": str,
 }
 # Present for packing bestfit ("pad_id", "bestfit") and for data schedules ("stages": [start,
-# digest] of every stage); states of the other specs stay as they were.
-_OPTIONAL_IDENTITY_KEYS = {"pad_id": int, "bestfit": int, "stages": list}
+# digest] of every stage); states of the other specs stay as they were. "shards" (a few hex
+# digits per source, statefulset.shards.digests.shard_checks) names the shards that changed when
+# a restore is refused: in every state of version 2, in none of version 1.
+_OPTIONAL_IDENTITY_KEYS = {"pad_id": int, "bestfit": int, "stages": list, "shards": str}
+_MAX_SHARDS_TEXT = 1024
 _MAX_STAGES = 100  # a state travels in a fixed 4 KiB slot (statefulset.parallel.exchange)
 _INT_KEYS = ("dp_rank", "dp_size", "batch_size", "base", "batches", "num_workers")
 _KEYS = {"format", "version", "identity", *_INT_KEYS}
@@ -129,6 +139,11 @@ def check_state(state: Any, where: str = "state") -> dict[str, Any]:
             raise StatefulsetError(f"{where}: field 'identity.{key}' has the wrong type ({type(value).__name__})")
     if "stages" in identity:
         _check_stages(identity["stages"], where)
+    if ("shards" in identity) != (version >= 2):
+        raise StatefulsetError(f"{where}: field 'identity.shards' is {'missing' if version >= 2 else 'unknown'} in a "
+                               f"state of version {version}")  # fmt: skip
+    if "shards" in identity and len(identity["shards"]) > _MAX_SHARDS_TEXT:
+        raise StatefulsetError(f"{where}: field 'identity.shards' holds over {_MAX_SHARDS_TEXT} characters")
     return state
 
 
@@ -155,30 +170,52 @@ def cursor_of(state: dict[str, Any]) -> Cursor:
     return Cursor(state["base"], state["batches"], state["dp_rank"], state["dp_size"], state["batch_size"])
 
 
-def check_identity(state: dict[str, Any], identity: dict[str, Any], where: str) -> None:
-    """Refuse a state taken on other data, naming every field that differs.
+def check_identity(
+    state: dict[str, Any],
+    identity: dict[str, Any],
+    where: str,
+    sources: Sequence[str] = (),
+    legacy_data: str | None = None,
+    warn: bool = True,
+) -> None:
+    """Refuse a state taken on other data, naming every field that differs (and the shards, where known).
 
     A data schedule's stages are compared only as far as the past goes: the stages that began
     before the state's position must be the same; later ones may be added, changed or removed.
+    ``sources``: the stream's prefixes, in the order of ``identity["shards"]``. ``legacy_data``:
+    "data" as statefulset 0.1.0 computed it (``.idx`` only), which a state of that version (version 1,
+    no "shards") may match: it then restores, with a WARNING that its ``.bin`` files go unchecked.
     """
     saved = state["identity"]
     keys = [*_IDENTITY_KEYS, *_OPTIONAL_IDENTITY_KEYS]
-    differs = [key for key in keys if key != "stages" and saved.get(key) != identity.get(key)]
+    differs = [key for key in keys if key not in ("stages", "shards") and saved.get(key) != identity.get(key)]
+    named = changed_shards(saved.get("shards"), identity.get("shards"), list(sources))
+    legacy = state["version"] == 1
+    if "data" in differs and legacy and legacy_data is not None and saved["data"] == legacy_data:
+        differs.remove("data")
+        if warn:
+            logger.warning(
+                "statefulset: %s: the state was saved by statefulset 0.1.0, whose identity covered the shards' .idx "
+                "files only: restoring it without checking that the .bin files hold the tokens it was saved on",
+                where,
+            )  # fmt: skip
     if ("stages" in saved) != ("stages" in identity):
         differs.append("stages")
     elif "stages" in saved:
-        _check_past_stages(saved["stages"], identity["stages"], cursor_of(state).consumed, where)
+        _check_past_stages(saved["stages"], identity["stages"], cursor_of(state).consumed, where, named, legacy)
     if differs:
         details = "; ".join(
             f"{key}: state has {saved.get(key)!r}, this loader {identity.get(key)!r}"
             if key != "data"
-            else "data: the shards, their split ranges or weights differ"
+            else "data: the shards, their split ranges or weights differ" + (f" ({named})" if named else "")
             for key in differs
         )
         raise StatefulsetError(f"{where}: the state does not fit this dataset ({details})")
 
 
-def _check_past_stages(saved: list[Any], current: list[Any], position: int, where: str) -> None:
+def _check_past_stages(
+    saved: list[Any], current: list[Any], position: int, where: str, named: str, legacy: bool
+) -> None:
     """The stages that began before ``position`` must be identical in both schedules."""
     past = [list(entry) for entry in saved if entry[0] < position]
     now = [list(entry) for entry in current if entry[0] < position]
@@ -192,18 +229,34 @@ def _check_past_stages(saved: list[Any], current: list[Any], position: int, wher
     elif past[k][0] != now[k][0]:
         what = f"stage {k} starts at {now[k][0]}, the state's at {past[k][0]}"
     else:
-        what = f"stage {k} (start {now[k][0]}) reads other sources or weights"
+        what = f"stage {k} (start {now[k][0]}) reads other sources or weights" + (f" ({named})" if named else "")
+        if legacy:
+            what += (
+                " (or the state was saved by statefulset 0.1.0, which keyed a schedule's sources by their .idx alone:"
+                " its source orders cannot be continued exactly; restore_consumed_samples starts at its position)"
+            )
     raise StatefulsetError(
         f"{where}: the state was saved at position {position}, and the stages that began before it must stay as "
         f"they were: {what}. Change the mixture from a position at or after {position} with a new stage instead"
     )
 
 
-def fit_rank_state(state: Any, identity: dict[str, Any], dp_rank: int, dp_size: int, batch_size: int) -> Cursor:
-    """The cursor to resume from a state saved by this very DP rank, in the same layout."""
+def fit_rank_state(
+    state: Any,
+    identity: dict[str, Any],
+    dp_rank: int,
+    dp_size: int,
+    batch_size: int,
+    sources: Sequence[str] = (),
+    legacy_data: str | None = None,
+) -> Cursor:
+    """The cursor to resume from a state saved by this very DP rank, in the same layout.
+
+    ``sources``, ``legacy_data``: see :func:`check_identity`.
+    """
     where = f"state for DP rank {dp_rank}"
     check_state(state, where)
-    check_identity(state, identity, where)
+    check_identity(state, identity, where, sources, legacy_data)
     if state["dp_size"] != dp_size or state["dp_rank"] != dp_rank:
         raise StatefulsetError(
             f"{where}: the state was saved by DP rank {state['dp_rank']} of {state['dp_size']}, this loader is "
@@ -217,7 +270,14 @@ def fit_rank_state(state: Any, identity: dict[str, Any], dp_rank: int, dp_size: 
     return cursor_of(state)
 
 
-def fit_global_states(states: Any, identity: dict[str, Any], dp_size: int, batch_size: int) -> list[Cursor]:
+def fit_global_states(
+    states: Any,
+    identity: dict[str, Any],
+    dp_size: int,
+    batch_size: int,
+    sources: Sequence[str] = (),
+    legacy_data: str | None = None,
+) -> list[Cursor]:
     """Every new DP rank's cursor from the states of every saving DP rank: one check of the list, O(W)."""
     if not isinstance(states, list | tuple):
         raise StatefulsetError(f"global state: expected the list of every DP rank's state, got {type(states).__name__}")
@@ -225,7 +285,7 @@ def fit_global_states(states: Any, identity: dict[str, Any], dp_size: int, batch
         raise StatefulsetError("global state: the list of DP rank states is empty (one per rank expected)")
     for i, state in enumerate(states):
         check_state(state, f"global state, entry {i}")
-        check_identity(state, identity, f"global state, entry {i}")
+        check_identity(state, identity, f"global state, entry {i}", sources, legacy_data, warn=i == 0)
         if state["dp_rank"] != i or state["dp_size"] != len(states):
             raise StatefulsetError(
                 f"global state, entry {i}: saved by DP rank {state['dp_rank']} of {state['dp_size']}, "
@@ -249,9 +309,17 @@ def fit_global_states(states: Any, identity: dict[str, Any], dp_size: int, batch
     return [Cursor(consumed, 0, r, dp_size, batch_size) for r in range(dp_size)]
 
 
-def fit_global_state(states: Any, identity: dict[str, Any], dp_rank: int, dp_size: int, batch_size: int) -> Cursor:
+def fit_global_state(
+    states: Any,
+    identity: dict[str, Any],
+    dp_rank: int,
+    dp_size: int,
+    batch_size: int,
+    sources: Sequence[str] = (),
+    legacy_data: str | None = None,
+) -> Cursor:
     """The cursor for this rank from the states of every DP rank, possibly saved in another layout."""
-    return fit_global_states(states, identity, dp_size, batch_size)[dp_rank]
+    return fit_global_states(states, identity, dp_size, batch_size, sources, legacy_data)[dp_rank]
 
 
 # -- msgpack codec for users who store states outside torch ---------------------------------------

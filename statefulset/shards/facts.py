@@ -36,7 +36,7 @@ from typing import Any
 from statefulset import settings
 from statefulset.shards.locks import exclusive
 
-__all__ = ["file_token", "once", "recall", "remember", "versions"]
+__all__ = ["file_token", "once", "recall", "remember", "versions", "write_json"]
 
 logger = logging.getLogger("statefulset")
 
@@ -127,7 +127,13 @@ def remember(
     where = _where(paths[0])
     _in_process[(kind, where)] = (current, value)
     path = _memo_file(kind, where, directory)
-    data = json.dumps({"paths": [_where(p) for p in paths], "versions": current, "value": value}).encode()
+    write_json(path, {"paths": [_where(p) for p in paths], "versions": current, "value": value})
+    return True
+
+
+def write_json(path: str, value: Any) -> None:
+    """Write ``value`` as JSON to ``path`` atomically (a temporary file renamed); best effort."""
+    data = json.dumps(value).encode()
     with contextlib.suppress(OSError):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
@@ -139,7 +145,6 @@ def remember(
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-    return True
 
 
 def once(kind: str, paths: tuple[str, ...], compute: Callable[[], Any], what: str, directory: str | None = None) -> Any:

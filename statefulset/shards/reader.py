@@ -119,6 +119,11 @@ class IndexedDataset:
         self._bin_buffer = self._bin_file.map() if self._bin_file.is_local else None
 
     @property
+    def bin_file(self) -> ShardFile:
+        """The ``.bin`` this dataset reads (its size, ranged reads)."""
+        return self._bin_file
+
+    @property
     def is_remote(self) -> bool:
         """True when the ``.bin`` is on object storage (read by ranged requests)."""
         return not self._bin_file.is_local

@@ -39,7 +39,7 @@ class SampleStream:
         self.seq_length = spec.seq_length
         self.packing = spec.packing
         # What the samples depend on, field by field (so a state that does not fit can say which);
-        # "data" digests every source's .idx content, split range and weight.
+        # "data" digests every source's content (.idx and .bin), split range and weight.
         self.identity = identity
         self.fingerprint = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
         self._length = length
@@ -55,6 +55,10 @@ class SampleStream:
         self.remote = False
         # Whether samples may end in padding (packing bestfit): rows then carry a loss_mask.
         self.padded = False
+        # Set by streams.opening, for a refused restore to name shards: every source's prefix, in
+        # the order of identity["shards"]; and "data" as statefulset 0.1.0 computed it (.idx only).
+        self.source_prefixes: list[str] = []
+        self.legacy_data: str | None = None
 
     def __len__(self) -> int:
         return self._length
@@ -195,5 +199,5 @@ class OpenedSources:
     num_samples: int | None
     datasets: list[IndexedDataset]
     ranges: list[tuple[int, int]]  # each source's sequences in this split
-    digests: list[str]  # each source's .idx content digest
+    digests: list[str]  # each source's content digest (.idx and .bin: statefulset.shards.digests)
     cache_root: str  # where derived indices live: the spec's path_to_cache, else this node's default

@@ -88,7 +88,7 @@ def bestfit_sources(spec: DatasetSpec, split: str, opened: OpenedSources, keys: 
             "kind": "BestFitIndex",
             "version": BESTFIT_VERSION,
             "index_version": _INDEX_VERSION,
-            "idx_digest": digest,
+            "content_digest": digest,
             "sequences": [lo, hi],
             "seq_length": spec.seq_length,
             "key": key,

@@ -148,7 +148,7 @@ def open_megatron(spec: DatasetSpec, split: str, identity: dict[str, Any], opene
         description = {
             "kind": "GPTDataset",
             "megatron_core": "0.16",
-            "idx_digest": digests[i],
+            "content_digest": digests[i],
             "sequences": [lo, hi],
             "seed": spec.seed,
             "seq_length": spec.seq_length,

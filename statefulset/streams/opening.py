@@ -2,7 +2,8 @@
 
 It reads the spec, opens every source's shards, computes the split's sequence ranges and the
 stream's identity (what a state's fingerprint covers: packing, split, seq_length, seed and each
-source's ``.idx`` content digest, range and weight), then hands over to the packing
+source's content digest, of its ``.idx`` and its ``.bin`` (:mod:`statefulset.shards.digests`),
+range and weight), then hands over to the packing
 (:mod:`statefulset.streams.megatron`, :mod:`statefulset.streams.native`).
 """
 
@@ -20,7 +21,7 @@ import numpy
 from statefulset import settings
 from statefulset.errors import StatefulsetError
 from statefulset.index.cache import builds as cache_builds
-from statefulset.shards.digests import shard_digest
+from statefulset.shards.digests import ShardDigest, identify, shard_checks
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec, load_spec
 from statefulset.spec.splits import SPLITS, parse_split, split_matrix, split_range
@@ -87,6 +88,7 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     cache_root = cache_folder(spec)
     memo = os.path.join(cache_root, "facts")
     datasets, ranges, digests = [], [], []
+    found: list[ShardDigest] = []
     data_key = spec.data_key(split)
     for prefix, _ in live:
         with spec.blame(data_key):
@@ -101,7 +103,8 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         datasets.append(dataset)
         ranges.append(lo_hi)
         with spec.blame(data_key):
-            digests.append(dataset.known_digest or shard_digest(prefix, memo))
+            found.append(identify(dataset, memo))
+            digests.append(found[-1].content)
     identity = {
         "packing": spec.packing,
         "split": split,
@@ -110,13 +113,13 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         "seed": spec.seed,
         "num_samples": num_samples if spec.packing == "megatron" else None,
     }
-    sources_text = json.dumps(
-        [
-            {"idx_digest": d, "sequences": list(r), "weight": w}
-            for d, r, (_, w) in zip(digests, ranges, live, strict=True)
-        ]
-    )
-    identity["data"] = hashlib.blake2b(sources_text.encode(), digest_size=12).hexdigest()
+    identity["data"] = _sources_digest([{"digest": d.content} for d in found], ranges, live)
+    # Per source, a few hex digits of its .idx/range/weight and of its .bin: what lets a refused
+    # restore name the shard that changed (identity["data"] is what decides).
+    described = [
+        _sources_digest([{"idx_digest": d.idx}], [r], [x]) for d, r, x in zip(found, ranges, live, strict=True)
+    ]
+    identity["shards"] = shard_checks(described, [d.bin for d in found])
     opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests, cache_root)
     if spec.stages is not None and split == "train":
         stream: SampleStream = open_staged(spec, split, identity, opened)
@@ -133,4 +136,13 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         dtypes.append(numpy.min_scalar_type(stream.pad_id))  # type: ignore[attr-defined]
     stream.token_dtype = numpy.result_type(*dtypes)
     stream.remote = any(d.is_remote for d in datasets)
+    stream.source_prefixes = [prefix for prefix, _ in live]
+    # What "data" was before identities covered the .bin (statefulset 0.1.0): such states restore
+    # when their .idx, ranges and weights match (statefulset.loading.state.check_identity).
+    stream.legacy_data = _sources_digest([{"idx_digest": d.idx} for d in found], ranges, live)
     return stream
+
+
+def _sources_digest(digests: list[dict[str, str]], ranges: list[tuple[int, int]], live: list[Any]) -> str:
+    described = [{**d, "sequences": list(r), "weight": w} for d, r, (_, w) in zip(digests, ranges, live, strict=True)]
+    return hashlib.blake2b(json.dumps(described).encode(), digest_size=12).hexdigest()

@@ -9,8 +9,9 @@ local sample ``offset_k[source] + r``, where ``offset_k`` counts its draws in al
 changes: no repeat, no skip, whatever the weights did. Opening is O(stages x sources); reading a
 position is O(log stages + log K).
 
-Sources are keyed by their ``.idx`` content digest (not their place in a list), so adding a
-source to a later stage changes nothing for the others.
+Sources are keyed by their content digest (of the ``.idx`` and the ``.bin``:
+:mod:`statefulset.shards.digests`), not their place in a list, so adding a source to a later stage
+changes nothing for the others, and two shards with identical ``.idx`` files get their own orders.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from statefulset.streams.native import _WindowFiller
 
 
 def stage_digest(start: int, sources: list[tuple[str, tuple[int, int], float]]) -> str:
-    """What a stage's samples depend on: its start and each source's .idx digest, split range and weight."""
+    """What a stage's samples depend on: its start and each source's content digest, split range and weight."""
     text = json.dumps([start, [[d, list(r), w] for d, r, w in sources]])
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
@@ -137,7 +138,7 @@ class StagedStream(SampleStream):
 def open_staged(spec: Any, split: str, identity: dict[str, Any], opened: OpenedSources) -> StagedStream:
     """The train stream of a spec with ``stages``: its sources (every prefix any stage names), keyed by content."""
     prefixes = [prefix for prefix, _ in opened.live]
-    # A source's key comes from its .idx digest, not from its place among the prefixes: adding a
+    # A source's key comes from its content digest, not from its place among the prefixes: adding a
     # source to a later stage leaves every other source's order as it was.
     keys = [derive_key(spec.seed, int(d[:15], 16), SPLITS.index(split)) for d in opened.digests]
     if spec.packing == "bestfit":

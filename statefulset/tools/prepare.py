@@ -1,6 +1,7 @@
 """``statefulset prepare SPEC``: do once, before a large run, what every rank would otherwise do at start-up.
 
-For every shard of the spec: the full index check and the content digest, remembered under
+For every shard of the spec: the full index check, the content digest of its ``.idx`` and the full
+digest of its ``.bin`` (:mod:`statefulset.shards.digests`), remembered under
 ``path_to_cache/facts`` for the exact file versions read; for every split the spec builds: its
 stream opened once, which builds (or finds) the megatron indices in ``path_to_cache``. Every
 result is keyed by content and file version, written atomically, and shared by lock with any
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from statefulset.errors import StatefulsetError
 from statefulset.index.cache import builds as cache_builds
 from statefulset.shards import facts
-from statefulset.shards.digests import shard_digest
+from statefulset.shards.digests import bin_full_digest, shard_digest
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec, load_spec
 from statefulset.spec.splits import SPLITS
@@ -35,6 +36,7 @@ class PrepareReport:
     shards: int = 0
     checked: int = 0  # shards this run checked in full (the rest were known)
     digested: int = 0
+    bins_hashed: int = 0  # .bin files this run hashed in full
     splits: dict[str, dict[str, Any]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -42,7 +44,8 @@ class PrepareReport:
         lines = [
             f"{self.spec}: prepared in {self.cache}",
             f"  shards: {self.shards} ({self.checked} checked in full, {self.digested} hashed, "
-            f"the rest already known) in {self.seconds.get('shards', 0.0):.2f} s",
+            f"{self.bins_hashed} .bin hashed in full, the rest already known) "
+            f"in {self.seconds.get('shards', 0.0):.2f} s",
         ]
         for split, item in self.splits.items():
             built = ", ".join(f"{n} {k}" for k, n in item["built"].items()) or "nothing built (already cached)"
@@ -85,8 +88,9 @@ def prepare(
 
     def one(prefix: str) -> None:
         with spec.blame(spec.data_key(wanted[0])):
-            IndexedDataset(prefix, storage_options=spec.storage_options, facts_dir=memo)
+            dataset = IndexedDataset(prefix, storage_options=spec.storage_options, facts_dir=memo)
             shard_digest(prefix, memo)
+            bin_full_digest(dataset, memo)
 
     t = time.perf_counter()
     bar = tqdm(total=len(prefixes), desc="shards", unit="shard", disable=not show_progress)
@@ -97,6 +101,7 @@ def prepare(
     report.seconds["shards"] = time.perf_counter() - t
     report.checked = facts.computed.get("verified", 0) - before.get("verified", 0)
     report.digested = facts.computed.get("digest", 0) - before.get("digest", 0)
+    report.bins_hashed = facts.computed.get("bin-digest", 0) - before.get("bin-digest", 0)
     for split in wanted:
         t, built_before = time.perf_counter(), dict(cache_builds)
         stream = open_stream(spec, split)

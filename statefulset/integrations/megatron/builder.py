@@ -190,7 +190,8 @@ def _restore_train(
         loader.restore_consumed_samples(consumed or 0)
         return
     check_state(state, f"{where}: loader state")
-    check_identity(state, loader.dataset.stream.identity, f"{where}: loader state")
+    stream = loader.dataset.stream
+    check_identity(state, stream.identity, f"{where}: loader state", stream.source_prefixes, stream.legacy_data)
     cursor = cursor_of(state)
     if consumed is not None and cursor.consumed != consumed:
         raise StatefulsetError(
