@@ -165,13 +165,12 @@ def test_a_holder_removes_only_its_own_lock_file(tmp_path, file_locks, caplog):
     (Fails on 5cf6a81: the first holder's release unlinks whatever file has the name.)"""
     lock = str(tmp_path / "x.lock")
     successor = json.dumps({"node": "elsewhere//", "host": "elsewhere", "pid": 7, "start": 1, "token": "ab"})
-    with caplog.at_level(logging.WARNING, logger="statefulset"):
-        with locks.exclusive(lock, "subject", "testing") as held:
-            assert held
-            replacement = tmp_path / "replacement"
-            replacement.write_text(successor)
-            os.replace(replacement, lock + ".held")  # what a waiter that broke it would leave
-    assert open(lock + ".held").read() == successor
+    with caplog.at_level(logging.WARNING, logger="statefulset"), locks.exclusive(lock, "subject", "testing") as held:
+        assert held
+        replacement = tmp_path / "replacement"
+        replacement.write_text(successor)
+        os.replace(replacement, lock + ".held")  # what a waiter that broke it would leave
+    assert (tmp_path / "x.lock.held").read_text() == successor
     assert "was taken over by another process while this one held it" in caplog.text
 
 
@@ -195,9 +194,11 @@ def test_a_container_sharing_the_hostname_is_judged_by_its_heartbeat(tmp_path, f
     assert other_container != liveness.node()
     with open(lock + ".held", "w") as f:
         f.write(_record(node=other_container, pid=_dead_pid(), start=1))
-    with pytest.raises(StatefulsetError, match=r"^subject: waited 1 s for another process testing"):
-        with locks.exclusive(lock, "subject", "testing"):
-            pass
+    with (
+        pytest.raises(StatefulsetError, match=r"^subject: waited 1 s for another process testing"),
+        locks.exclusive(lock, "subject", "testing"),
+    ):
+        pass
     # The same lock once its heartbeat stopped STALE_S ago (on the filesystem's clock): taken over.
     past = liveness.server_now(str(tmp_path)) - locks.STALE_S - 5
     os.utime(lock + ".held", (past, past))
@@ -230,9 +231,8 @@ def test_a_live_holder_of_this_node_keeps_its_lock(tmp_path, file_locks, monkeyp
         f.write(_record(node=liveness.node(), pid=os.getpid(), start=liveness.start_time(os.getpid())))
     past = time.time() - locks.STALE_S - 60  # even with an old heartbeat: the process itself runs
     os.utime(lock + ".held", (past, past))
-    with pytest.raises(StatefulsetError, match="waited 1 s"):
-        with locks.exclusive(lock, "subject", "testing"):
-            pass
+    with pytest.raises(StatefulsetError, match="waited 1 s"), locks.exclusive(lock, "subject", "testing"):
+        pass
 
 
 def test_an_unreadable_young_lock_file_is_live(tmp_path, file_locks, monkeypatch):
@@ -240,9 +240,8 @@ def test_an_unreadable_young_lock_file_is_live(tmp_path, file_locks, monkeypatch
     monkeypatch.setenv("STATEFULSET_CACHE_WAIT", "1")
     lock = str(tmp_path / "x.lock")
     open(lock + ".held", "w").close()
-    with pytest.raises(StatefulsetError, match="waited 1 s"):
-        with locks.exclusive(lock, "subject", "testing"):
-            pass
+    with pytest.raises(StatefulsetError, match="waited 1 s"), locks.exclusive(lock, "subject", "testing"):
+        pass
 
 
 def test_identities():
@@ -252,7 +251,6 @@ def test_identities():
     assert not liveness.process_alive(_dead_pid(), None)
     assert liveness.alive({"node": "elsewhere//", "pid": 1}) is None
     assert abs(liveness.server_now(".") - time.time()) < 60  # a local folder: our own clock
-
 
 
 def test_the_clock_of_a_folder_that_cannot_be_probed_is_ours(tmp_path):
