@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import importlib.machinery
 import json
@@ -14,6 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import numpy
 import pytest
 from conftest import write_printable_shards
 
@@ -223,3 +225,88 @@ def test_constant_rows_stay_alive_while_the_kernel_reads_them():
     """C9: another thread evicting the cached rows mid-call must not free what the kernel is reading."""
     child = run_child(EVICTED_DURING_CALL)
     assert child.returncode == 0 and child.stdout.strip() == "same", child.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- kernels.c refuses, never overruns
+
+
+@pytest.fixture(scope="module")
+def lib():
+    found = kernels.library()
+    assert found is not None, kernels.reason()
+    return found
+
+
+def i64(*values: int) -> numpy.ndarray:
+    return numpy.array(values, dtype=numpy.int64)
+
+
+BAD_ARGUMENT = 4
+
+
+def test_feistel_and_window_order_refuse_what_would_never_end(lib):
+    """x >= n or n = 0 used to cycle-walk forever; windows = 0 divided by zero."""
+    keys = numpy.arange(6, dtype=numpy.uint64)
+    out = numpy.full(2, -1, dtype=numpy.int64)
+    assert lib.sf_feistel(i64(0, 10), 2, 10, 2, keys, 6, 0, out) == BAD_ARGUMENT  # 10 is outside [0, 10)
+    assert lib.sf_feistel(i64(0, 1), 2, 0, 1, keys, 6, 0, out) == BAD_ARGUMENT
+    assert lib.sf_feistel(i64(0, 1), 2, 100, 2, keys, 6, 0, out) == BAD_ARGUMENT  # 4 bits cover 16, not 100
+    assert out.tolist() == [-1, -1]  # nothing written
+    assert lib.sf_window_permute(i64(0, 5), 2, 0, 1, 7, 6, out) == BAD_ARGUMENT
+    assert lib.sf_window_permute(i64(0, -5), 2, 10, 2, 7, 6, out) == BAD_ARGUMENT
+    assert lib.sf_window_permute(i64(0, 5), 2, 10, 2, 7, 65, out) == BAD_ARGUMENT  # 64 round keys at most
+    assert out.tolist() == [-1, -1]
+    assert lib.sf_feistel(i64(0, 9), 2, 10, 2, keys, 6, 0, out) == 0 and sorted(out.tolist()) != [-1, -1]
+
+
+def test_bestfit_sizes_whose_byte_count_overflows_are_refused(lib):
+    """capacity 2**61: (capacity + 2) * 8 wraps a 64-bit size_t to 16 bytes; the kernel wrote past them."""
+    sizes, bins = i64(3, 5), numpy.zeros(1, dtype=numpy.int64)
+    assert lib.sf_bestfit_counts(sizes, 2, 2, 2**61, bins) == -2  # cannot be allocated: refused as out of memory
+    assert lib.sf_bestfit_counts(sizes, 2, 2, 2**63 - 1, bins) == -3  # capacity + 2 itself overflows
+    assert lib.sf_bestfit_counts(sizes, 2, 0, 8, bins) == -3  # window 0
+    assert lib.sf_bestfit_counts(sizes, -1, 2, 8, bins) == -3
+    entries, ends = numpy.zeros(2, dtype=numpy.uint32), numpy.zeros(2, dtype=numpy.uint32)
+    assert lib.sf_bestfit_entries(sizes, 2, 2**61, entries, ends) == -2
+    assert lib.sf_bestfit_entries(sizes, 2, 2**63 - 1, entries, ends) == -3
+    assert lib.sf_bestfit_entries(sizes, 2**32 + 1, 8, entries, ends) == -3  # uint32 entry numbers would wrap
+    assert lib.sf_bestfit_window(sizes, -2, 8, numpy.zeros(2, dtype=numpy.int64)) == -3
+    assert lib.sf_bestfit_counts(sizes, 2, 2, 8, bins) == 0 and bins.tolist() == [1]
+
+
+def test_document_fields_stay_inside_the_pieces_they_are_given(lib):
+    """sf_document_fields used to trust sum(counts): now it knows how many values ``packed`` holds."""
+    seq_length, rows = 8, 1
+    cu = numpy.zeros((rows, seq_length + 1), dtype=numpy.int32)
+    top = numpy.zeros(rows, dtype=numpy.int32)
+    pos = numpy.zeros((rows, seq_length), dtype=numpy.int64)
+    iota, fill = numpy.arange(seq_length, dtype=numpy.int64), numpy.full(seq_length + 1, seq_length, numpy.int32)
+    addresses = (cu.ctypes.data, top.ctypes.data, pos.ctypes.data, iota.ctypes.data, fill.ctypes.data)
+    packed = i64(3, 9, 4, 5)  # three pieces announced, two given
+    assert lib.sf_document_fields(packed.ctypes.data, packed.size, rows, seq_length, *addresses) == -1
+    assert lib.sf_document_fields(packed.ctypes.data, 1, rows, seq_length, *addresses) == -1  # not even counts, used
+    whole = i64(2, 9, 4, 5)
+    assert lib.sf_document_fields(whole.ctypes.data, whole.size, rows, seq_length, *addresses) == 0
+    assert cu[0].tolist() == [0, 4, 8, 8, 8, 8, 8, 8, 8]
+
+
+def test_window_pieces_refuse_starts_whose_byte_offsets_overflow(lib):
+    pointers, counts, lengths = i64(0, 8, 20), numpy.zeros(1, dtype=numpy.int64), numpy.zeros(4, dtype=numpy.int64)
+    for start in (-1, 2**62):
+        assert lib.sf_window_pieces(pointers.ctypes.data, 3, 2, i64(start).ctypes.data, 1, 4,
+                                    counts.ctypes.data, lengths.ctypes.data) == -1  # fmt: skip
+    assert lib.sf_window_pieces(pointers.ctypes.data, 3, 2, i64(2).ctypes.data, 1, 4,
+                                counts.ctypes.data, lengths.ctypes.data) == 2  # fmt: skip
+    assert counts.tolist() == [2] and lengths[:2].tolist() == [2, 2]
+
+
+def test_sample_index_and_blending_refuse_empty_inputs(lib):
+    out, where = numpy.zeros((2, 2), dtype=numpy.int32), ctypes.c_int64(-1)
+    lengths = numpy.array([4], dtype=numpy.int32)
+    code = lib.sf_sample_index(lengths, 1, numpy.zeros(1, numpy.int32), 0, 2, 4, 0, 1, 0, out, 0, ctypes.byref(where))
+    assert code == BAD_ARGUMENT and out.tolist() == [[0, 0], [0, 0]]  # no document: document_index[0] was read
+    index, samples, counts = numpy.zeros(3, numpy.int16), numpy.zeros(3, numpy.int64), numpy.zeros(1, numpy.int64)
+    assert lib.sf_blending_indices(numpy.ones(1), 0, 3, index, samples, counts) == BAD_ARGUMENT
+    assert lib.sf_blending_indices(numpy.ones(1), 1, -1, index, samples, counts) == BAD_ARGUMENT
+    scratch = (numpy.zeros(1, numpy.int64), numpy.zeros(1), numpy.zeros(1, numpy.int32))
+    assert lib.sf_exhaustive_blending_indices(i64(-2), 1, index, samples, *scratch) == BAD_ARGUMENT

@@ -50,7 +50,7 @@ logger = logging.getLogger("statefulset")
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 _INSTALLED = f"{__name__.rpartition('.')[0]}._kernels"  # the extension module setup.py builds
-_ABI = 4
+_ABI = 5
 _REBUILD = "pip install . (or pip install -e . / python setup.py build_ext --inplace in a checkout)"
 
 _lock = threading.Lock()
@@ -79,9 +79,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.sf_exhaustive_blending_indices.restype = i32
     lib.sf_feistel.argtypes = [array(numpy.int64), i64, i64, i32, array(numpy.uint64), i32, i32, array(numpy.int64)]
-    lib.sf_feistel.restype = None
+    lib.sf_feistel.restype = i32
     lib.sf_window_permute.argtypes = [array(numpy.int64), i64, i64, i32, ctypes.c_uint64, i32, array(numpy.int64)]
-    lib.sf_window_permute.restype = None
+    lib.sf_window_permute.restype = i32
     lib.sf_bestfit_counts.argtypes = [array(numpy.int64), i64, i64, i64, array(numpy.int64)]
     lib.sf_bestfit_counts.restype = i64
     lib.sf_bestfit_window.argtypes = [array(numpy.int64), i64, i64, array(numpy.int64)]
@@ -92,7 +92,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     # the right dtypes, see address()), since ndpointer's checks cost ~10 µs per argument (and
     # even reading an array's address costs ~1.7 µs, so callers pass as few as they can).
     ptr = ctypes.c_void_p
-    lib.sf_document_fields.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.sf_document_fields.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
     lib.sf_document_fields.restype = i64
     lib.sf_window_pieces.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr]
     lib.sf_window_pieces.restype = i64

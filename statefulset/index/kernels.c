@@ -4,16 +4,22 @@
  * Built at install time (setup.py: the wheel's statefulset/index/_kernels.<abi>.so) or, as a
  * fallback, into the user's private folder, always with -ffp-contract=off and never fast-math: no
  * fused multiply-add, so every double expression below rounds exactly like megatron-core's
- * helpers.cpp and like the Python fallbacks beside each caller. The Python side validates shapes, dtypes
- * and scalar ranges and allocates every buffer; these functions only read and write inside the
- * lengths they are given, and report bad array contents through their return code.
+ * helpers.cpp and like the Python fallbacks beside each caller.
+ *
+ * The Python side validates shapes, dtypes and scalar ranges and allocates every buffer; these
+ * functions only read and write inside the lengths they are given, and report bad array contents
+ * through their return code. They do not trust their callers for memory safety either: scalar
+ * arguments out of range (negative lengths, a zero domain, sizes whose byte count overflows a
+ * size_t) are refused with an error code before anything is read, written or allocated, and no
+ * loop can run forever on bad input. tests/sanitize_kernels.sh runs the kernel tests with this
+ * file built under AddressSanitizer and UndefinedBehaviorSanitizer.
  */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define SF_KERNELS_ABI 4
+#define SF_KERNELS_ABI 5
 
 /* The walk reads lengths[] at random (one read per document_index entry): ask for the entry
  * SF_PREFETCH_AHEAD positions on early. Only a hint, it never changes a result; ~30% faster on
@@ -29,6 +35,51 @@
 #define SF_BAD_DOCUMENT 1 /* document_index[*where] is outside [0, num_lengths) */
 #define SF_NEGATIVE_LENGTH 2 /* sequence_lengths[document_index[*where]] < 0 */
 #define SF_TOKEN_MISMATCH 3 /* the document index holds *where tokens, not epochs * tokens_per_epoch */
+#define SF_BAD_ARGUMENT 4 /* a length, size or count out of range: nothing was read or written */
+
+/* Room for `count` items of `item` bytes, or NULL when count is negative or the byte count does not
+ * fit a size_t (never a short buffer from a wrapped multiplication). */
+static void *sf_alloc(int64_t count, size_t item) {
+    if (count < 0 || (uint64_t)count > SIZE_MAX / item) return NULL;
+    return malloc(count > 0 ? (size_t)count * item : 1);
+}
+
+/* The index of the lowest set bit of a non-zero word. */
+static inline int64_t sf_lowest_bit(uint64_t word) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_ctzll(word);
+#else
+    int64_t bit = 0;
+    while (!(word & 1ULL)) {
+        word >>= 1;
+        ++bit;
+    }
+    return bit;
+#endif
+}
+
+/* Loads from arrays that may sit at any byte offset: the sequence lengths and pointers of a .idx
+ * file are read straight from its memory map, where they follow a 34-byte header (int32 at offsets
+ * = 2 mod 4, int64 at offsets = 2 or 6 mod 8). A misaligned int32_t/int64_t read is undefined
+ * behaviour (UBSan reports it); memcpy is not, and compiles to the same single load on x86-64 and
+ * arm64. */
+static inline int32_t sf_load_i32(const int32_t *at) {
+    int32_t value;
+    memcpy(&value, at, sizeof value);
+    return value;
+}
+
+static inline int64_t sf_load_i64(const int64_t *at) {
+    int64_t value;
+    memcpy(&value, at, sizeof value);
+    return value;
+}
+
+/* Whether a Feistel network of 2 * half bits covers [0, n): cycle walking from any x < n ends. */
+static inline int sf_feistel_domain_ok(int64_t n, int32_t half) {
+    if (n < 1 || half < 1 || half > 32) return 0;
+    return half == 32 || (uint64_t)n <= (1ULL << (2 * half));
+}
 
 /* The SHA-256 (hex) of the kernels.c this library was built from, passed by the build
  * (-DSF_SOURCE_SHA256="..."): the loader refuses a library built from another source. */
@@ -54,20 +105,22 @@ static inline void sf_store(void *out, int32_t wide, int64_t row, int64_t positi
 /* The length of the sequence at document_index[position], or -1 with *code set. */
 static inline int64_t sf_length_at(const int32_t *lengths, int64_t num_lengths, const int32_t *document_index,
                                    int64_t num_documents, int64_t position, int32_t *code) {
-    int32_t document;
+    int32_t document, length;
     if (position + SF_PREFETCH_AHEAD < num_documents) {
-        SF_PREFETCH(&lengths[(uint32_t)document_index[position + SF_PREFETCH_AHEAD]]);
+        int32_t ahead = sf_load_i32(&document_index[position + SF_PREFETCH_AHEAD]);
+        if (ahead >= 0 && ahead < num_lengths) SF_PREFETCH(&lengths[ahead]); /* never an out-of-bounds pointer */
     }
-    document = document_index[position];
+    document = sf_load_i32(&document_index[position]);
     if (document < 0 || document >= num_lengths) {
         *code = SF_BAD_DOCUMENT;
         return -1;
     }
-    if (lengths[document] < 0) {
+    length = sf_load_i32(&lengths[document]);
+    if (length < 0) {
         *code = SF_NEGATIVE_LENGTH;
         return -1;
     }
-    return lengths[document];
+    return length;
 }
 
 /*
@@ -86,8 +139,15 @@ int32_t sf_sample_index(const int32_t *lengths, int64_t num_lengths, const int32
     int32_t code = SF_OK;
     int64_t position = 0; /* cursor into document_index */
     int64_t start = 0;    /* C[position] */
-    int64_t length = sf_length_at(lengths, num_lengths, document_index, num_documents, 0, &code);
-    int64_t end = start + length; /* C[position + 1] */
+    int64_t length, end;
+    *where = 0;
+    /* Every token offset below is at most num_samples * seq_length + extra: it must fit. */
+    if (num_documents < 1 || num_lengths < 0 || seq_length < 1 || num_samples < 0 || extra < 0 ||
+        num_samples > (INT64_MAX - extra) / seq_length - 1) {
+        return SF_BAD_ARGUMENT;
+    }
+    length = sf_length_at(lengths, num_lengths, document_index, num_documents, 0, &code);
+    end = start + length; /* C[position + 1] */
     if (code != SF_OK) {
         *where = 0;
         return code;
@@ -134,6 +194,7 @@ int32_t sf_sample_index(const int32_t *lengths, int64_t num_lengths, const int32
  */
 int32_t sf_blending_indices(const double *weights, int64_t num_datasets, int64_t size, int16_t *dataset_index,
                             int64_t *dataset_sample_index, int64_t *counts) {
+    if (num_datasets < 1 || num_datasets > INT16_MAX + 1 || size < 0) return SF_BAD_ARGUMENT;
     for (int64_t i = 0; i < size; ++i) {
         double x = i > 1 ? (double)i : 1.0;
         int64_t best = 0;
@@ -164,7 +225,9 @@ int32_t sf_exhaustive_blending_indices(const int64_t *sizes, int64_t num_dataset
                                        int32_t *active) {
     int64_t total = 0;
     int64_t num_active = 0;
+    if (num_datasets < 0 || num_datasets > INT16_MAX + 1) return SF_BAD_ARGUMENT;
     for (int64_t d = 0; d < num_datasets; ++d) {
+        if (sizes[d] < 0 || sizes[d] > INT64_MAX - total) return SF_BAD_ARGUMENT;
         total += sizes[d];
     }
     for (int64_t d = 0; d < num_datasets; ++d) {
@@ -231,14 +294,21 @@ static inline uint64_t sf_rounds(uint64_t x, int32_t half, uint64_t mask, const 
     return (left << half) | right;
 }
 
-void sf_feistel(const int64_t *x, int64_t count, int64_t n, int32_t half, const uint64_t *keys, int32_t rounds,
-                int32_t inverse, int64_t *out) {
-    uint64_t mask = (half >= 64) ? ~0ULL : ((1ULL << half) - 1);
+/* Returns 0, or SF_BAD_ARGUMENT (before writing anything) for a domain the network does not cover or
+ * an x outside [0, n): cycle walking from such an x might never end. */
+int32_t sf_feistel(const int64_t *x, int64_t count, int64_t n, int32_t half, const uint64_t *keys, int32_t rounds,
+                   int32_t inverse, int64_t *out) {
+    uint64_t mask = (1ULL << half) - 1;
+    if (!sf_feistel_domain_ok(n, half) || rounds < 0 || count < 0) return SF_BAD_ARGUMENT;
+    for (int64_t i = 0; i < count; i++) {
+        if (x[i] < 0 || x[i] >= n) return SF_BAD_ARGUMENT;
+    }
     for (int64_t i = 0; i < count; i++) {
         uint64_t y = sf_rounds((uint64_t)x[i], half, mask, keys, rounds, inverse);
         while (y >= (uint64_t)n) y = sf_rounds(y, half, mask, keys, rounds, inverse);
         out[i] = (int64_t)y;
     }
+    return SF_OK;
 }
 
 /* splitmix64's finaliser with its increment: permutation.mix64. */
@@ -252,12 +322,15 @@ static inline uint64_t sf_derive2(uint64_t a, uint64_t b) { return sf_mix64(sf_m
  * Feistel network (key derive_key(key, epoch), round keys derive_key(that, r)). Random
  * positions touch a new epoch per sample, where building one permutation object each in Python
  * cost more than the rest of the batch. */
-void sf_window_permute(const int64_t *local, int64_t count, int64_t windows, int32_t half, uint64_t key,
-                       int32_t rounds, int64_t *out) {
+int32_t sf_window_permute(const int64_t *local, int64_t count, int64_t windows, int32_t half, uint64_t key,
+                          int32_t rounds, int64_t *out) {
     uint64_t keys[64];
     int64_t current = -1;
-    uint64_t mask = (half >= 64) ? ~0ULL : ((1ULL << half) - 1);
-    if (rounds > 64) rounds = 64;
+    uint64_t mask = (1ULL << half) - 1;
+    if (!sf_feistel_domain_ok(windows, half) || rounds < 0 || rounds > 64 || count < 0) return SF_BAD_ARGUMENT;
+    for (int64_t i = 0; i < count; i++) {
+        if (local[i] < 0) return SF_BAD_ARGUMENT;
+    }
     for (int64_t i = 0; i < count; i++) {
         int64_t epoch = local[i] / windows, j = local[i] % windows;
         if (epoch != current) {
@@ -269,6 +342,7 @@ void sf_window_permute(const int64_t *local, int64_t count, int64_t windows, int
         while (y >= (uint64_t)windows) y = sf_rounds(y, half, mask, keys, rounds, 0);
         out[i] = (int64_t)y;
     }
+    return SF_OK;
 }
 
 /*
@@ -278,7 +352,7 @@ void sf_window_permute(const int64_t *local, int64_t count, int64_t windows, int
  * to the open bin with the least room that still holds it; among bins with equal room, the one
  * that reached that room last; with none, a new bin. Items of size 0 get no bin (-1). bin_of[i]
  * is item i's bin, bins numbered in opening order. Returns the number of bins, or -1 for a size
- * outside [0, capacity], -2 when memory runs out. index.bestfit.packing.pack_window is the same
+ * outside [0, capacity], -2 when memory runs out, -3 for a count or capacity out of range. index.bestfit.packing.pack_window is the same
  * algorithm in Python, result for result.
  */
 static int64_t sf_pack_one(const int64_t *sizes, int64_t n, int64_t capacity, int64_t *bin_of, int64_t *count,
@@ -309,7 +383,7 @@ static int64_t sf_pack_one(const int64_t *sizes, int64_t n, int64_t capacity, in
         uint64_t word = bits[w] & (~0ULL << (size % 64));
         while (1) {
             if (word) {
-                found = w * 64 + __builtin_ctzll(word);
+                found = w * 64 + sf_lowest_bit(word);
                 break;
             }
             if (++w >= words) break;
@@ -336,17 +410,21 @@ static int64_t sf_pack_one(const int64_t *sizes, int64_t n, int64_t capacity, in
     return bins;
 }
 
+#define SF_BAD_SIZES (-3)
+#define SF_MAX_CAPACITY (INT64_MAX / 2) /* capacity + 2 (and its byte count, checked by sf_alloc) fits */
+
 static int64_t sf_pack_windows(const int64_t *sizes, int64_t n, int64_t window, int64_t capacity, int64_t *bin_of,
                                int64_t *bins_out) {
+    if (n < 0 || window < 1 || capacity < 0 || capacity > SF_MAX_CAPACITY) return SF_BAD_SIZES;
     int64_t largest = window < n ? window : n;
     int64_t words = capacity / 64 + 1;
-    int64_t *count = malloc((size_t)(capacity + 2) * sizeof(int64_t));
-    int64_t *head = malloc((size_t)(capacity + 1) * sizeof(int64_t));
-    int64_t *order = malloc((size_t)(largest + 1) * sizeof(int64_t));
-    int64_t *next = malloc((size_t)(largest + 1) * sizeof(int64_t));
-    int64_t *room = malloc((size_t)(largest + 1) * sizeof(int64_t));
-    int64_t *scratch = bin_of ? NULL : malloc((size_t)(largest + 1) * sizeof(int64_t));
-    uint64_t *bits = malloc((size_t)words * sizeof(uint64_t));
+    int64_t *count = sf_alloc(capacity + 2, sizeof(int64_t));
+    int64_t *head = sf_alloc(capacity + 1, sizeof(int64_t));
+    int64_t *order = sf_alloc(largest + 1, sizeof(int64_t));
+    int64_t *next = sf_alloc(largest + 1, sizeof(int64_t));
+    int64_t *room = sf_alloc(largest + 1, sizeof(int64_t));
+    int64_t *scratch = bin_of ? NULL : sf_alloc(largest + 1, sizeof(int64_t));
+    uint64_t *bits = sf_alloc(words, sizeof(uint64_t));
     int64_t result = 0;
     if (!count || !head || !order || !next || !room || !bits || (!bin_of && !scratch)) {
         result = -2;
@@ -380,6 +458,7 @@ int64_t sf_bestfit_counts(const int64_t *sizes, int64_t n, int64_t window, int64
 /* One window: bin_of[i] for each of its n items; returns the bin count (or a negative code). */
 int64_t sf_bestfit_window(const int64_t *sizes, int64_t n, int64_t capacity, int64_t *bin_of) {
     int64_t bins = 0;
+    if (n < 0) return SF_BAD_SIZES;
     if (n == 0) return 0;
     int64_t code = sf_pack_windows(sizes, n, n, capacity, bin_of, &bins);
     return code < 0 ? code : bins;
@@ -391,18 +470,20 @@ int64_t sf_bestfit_window(const int64_t *sizes, int64_t n, int64_t capacity, int
  * extra token and goes if that empties it; cu (int32 [rows, S+1], padded with S), max_out
  * (int32 [rows]) and pos (int64 [rows, S], restarting at every segment). Returns 0; 1 + r when
  * row r has more than S segments; -(1 + r) when its last segment is empty or its tokens do not
- * add up to S + 1. iota (int64 0..S-1) and fill (int32 S, S+1 of them) are the caller's constant
- * rows: copying them with memcpy is ~4x faster than the scalar loops -O2 makes of these writes.
+ * add up to S + 1, or its pieces run past the num_packed values of packed. iota (int64 0..S-1) and
+ * fill (int32 S, S+1 of them) are the caller's constant rows: copying them with memcpy is ~4x
+ * faster than the scalar loops -O2 makes of these writes. Arguments out of range: -1, nothing read.
  */
-int64_t sf_document_fields(const int64_t *packed, int64_t rows, int64_t seq_length, int32_t *cu, int32_t *max_out,
-                           int64_t *pos, const int64_t *iota, const int32_t *fill) {
+int64_t sf_document_fields(const int64_t *packed, int64_t num_packed, int64_t rows, int64_t seq_length, int32_t *cu,
+                           int32_t *max_out, int64_t *pos, const int64_t *iota, const int32_t *fill) {
     /* packed: counts [rows], used [rows], then the lengths (one address instead of three). */
+    if (rows < 0 || seq_length < 1 || seq_length >= INT32_MAX || num_packed < 0 || rows > num_packed / 2) return -1;
     const int64_t *counts = packed, *used = packed + rows, *lengths = packed + 2 * rows;
-    int64_t width = seq_length + 1, at = 0;
+    int64_t width = seq_length + 1, at = 0, num_lengths = num_packed - 2 * rows;
     for (int64_t r = 0; r < rows; r++) {
         int64_t n = counts[r], pad = width - used[r];
         int64_t m = n + (pad > 0 ? 1 : 0);
-        if (n < 0 || pad < 0 || m < 1) return -(1 + r);
+        if (n < 0 || n > num_lengths - at || pad < 0 || pad > width || m < 1) return -(1 + r);
         int64_t last = pad > 0 ? pad : lengths[at + n - 1];
         if (last < 1) return -(1 + r);
         int64_t segments = last - 1 == 0 ? m - 1 : m;
@@ -429,22 +510,26 @@ int64_t sf_document_fields(const int64_t *packed, int64_t rows, int64_t seq_leng
 
 /*
  * Pieces of the token windows [starts[r], starts[r] + width) over sequences whose first tokens are
- * pointers[k] / itemsize (k < n, increasing): cut where a sequence starts strictly inside a window,
+ * pointers[k] / itemsize (k < n, increasing; pointers may be misaligned: a .idx memory map): cut where a sequence starts strictly inside a window,
  * empty pieces dropped. counts[r] and lengths (room for rows * width) receive them; returns the
- * number of pieces written.
+ * number of pieces written, or -1 (nothing written) when an argument or a start is out of range.
  */
 int64_t sf_window_pieces(const int64_t *pointers, int64_t n, int64_t itemsize, const int64_t *starts, int64_t rows,
                          int64_t width, int64_t *counts, int64_t *lengths) {
     int64_t written = 0;
+    if (n < 0 || itemsize < 1 || rows < 0 || width < 1 || width > INT64_MAX / itemsize) return -1;
+    for (int64_t r = 0; r < rows; r++) { /* (start + width) * itemsize must fit */
+        if (starts[r] < 0 || starts[r] > INT64_MAX / itemsize - width) return -1;
+    }
     for (int64_t r = 0; r < rows; r++) {
         int64_t s = starts[r], lo = 0, hi = n, previous = 0, before = written;
         int64_t first_byte = s * itemsize, stop_byte = (s + width) * itemsize;
         while (lo < hi) { /* first k with pointers[k] > first_byte */
             int64_t mid = lo + (hi - lo) / 2;
-            if (pointers[mid] > first_byte) hi = mid; else lo = mid + 1;
+            if (sf_load_i64(&pointers[mid]) > first_byte) hi = mid; else lo = mid + 1;
         }
-        for (int64_t k = lo; k < n && pointers[k] < stop_byte; k++) {
-            int64_t cut = pointers[k] / itemsize - s;
+        for (int64_t k = lo; k < n && sf_load_i64(&pointers[k]) < stop_byte; k++) {
+            int64_t cut = sf_load_i64(&pointers[k]) / itemsize - s;
             if (cut > previous) lengths[written++] = cut - previous;
             previous = cut;
         }
@@ -461,15 +546,17 @@ int64_t sf_window_pieces(const int64_t *pointers, int64_t n, int64_t itemsize, c
  * through bin m (room for n). Returns the number of bins, or a negative code as sf_bestfit_window.
  */
 int64_t sf_bestfit_entries(const int64_t *sizes, int64_t n, int64_t capacity, uint32_t *entries, uint32_t *bin_end) {
+    /* Entry numbers and bin ends are uint32: more items would wrap them. */
+    if (n < 0 || (uint64_t)n > UINT32_MAX || capacity < 0 || capacity > SF_MAX_CAPACITY) return SF_BAD_SIZES;
     if (n == 0) return 0;
     int64_t words = capacity / 64 + 1;
-    int64_t *count = malloc((size_t)(capacity + 2) * sizeof(int64_t));
-    int64_t *head = malloc((size_t)(capacity + 1) * sizeof(int64_t));
-    int64_t *order = malloc((size_t)n * sizeof(int64_t));
-    int64_t *next = malloc((size_t)n * sizeof(int64_t));
-    int64_t *room = malloc((size_t)n * sizeof(int64_t));
-    int64_t *bin_of = malloc((size_t)n * sizeof(int64_t));
-    uint64_t *bits = malloc((size_t)words * sizeof(uint64_t));
+    int64_t *count = sf_alloc(capacity + 2, sizeof(int64_t));
+    int64_t *head = sf_alloc(capacity + 1, sizeof(int64_t));
+    int64_t *order = sf_alloc(n, sizeof(int64_t));
+    int64_t *next = sf_alloc(n, sizeof(int64_t));
+    int64_t *room = sf_alloc(n, sizeof(int64_t));
+    int64_t *bin_of = sf_alloc(n, sizeof(int64_t));
+    uint64_t *bits = sf_alloc(words, sizeof(uint64_t));
     int64_t bins = -2;
     if (count && head && order && next && room && bin_of && bits) {
         bins = sf_pack_one(sizes, n, capacity, bin_of, count, order, head, next, room, bits);

@@ -140,7 +140,9 @@ def _fields_compiled(
     # the call returns (packed, block or given's arrays, and the constant rows), so another
     # read-ahead thread evicting _CONSTANT_ROWS cannot free what the kernel is reading (C9).
     constant = _constant_rows(seq_length)
-    code = lib.sf_document_fields(packed.ctypes.data, rows, seq_length, *addresses, constant[2], constant[3])
+    code = lib.sf_document_fields(
+        packed.ctypes.data, packed.size, rows, seq_length, *addresses, constant[2], constant[3]
+    )  # fmt: skip
     return {"cu_seqlens": cu, "max_seqlen": top, "position_ids": pos} if code == 0 else None
 
 

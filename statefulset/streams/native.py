@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy
 
+from statefulset.errors import StatefulsetError
 from statefulset.index import compiled
 from statefulset.index.native.keys import derive_key
 from statefulset.index.native.windows import WindowSource
@@ -49,6 +50,8 @@ class _WindowFiller:
                 self._pointers_address, self._sequence_starts.size, item, address, rows, width,
                 address + 8 * rows, address + 16 * rows,
             )  # fmt: skip
+            if written < 0:
+                raise StatefulsetError(f"internal: the window pieces kernel refused width {width} or starts {starts}")
             counts = block[rows : 2 * rows]
             return Pieces(counts, block[2 * rows : 2 * rows + written], numpy.full(rows, width, dtype=numpy.int64))
         first = numpy.searchsorted(self._sequence_starts, starts * item, side="right")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy
 
+from statefulset.errors import StatefulsetError
 from statefulset.index import compiled
 from statefulset.index.native.keys import derive_key
 
@@ -115,5 +116,6 @@ def _compiled_feistel(
         return None
     flat = numpy.ascontiguousarray(x, dtype=numpy.int64).reshape(-1)
     out = numpy.empty_like(flat)
-    lib.sf_feistel(flat, flat.size, n, half, keys, keys.size, int(inverse), out)
+    if lib.sf_feistel(flat, flat.size, n, half, keys, keys.size, int(inverse), out) != 0:
+        raise StatefulsetError(f"internal: the Feistel kernel refused n={n}, half={half} or a value outside [0, {n})")
     return out.reshape(numpy.shape(x))

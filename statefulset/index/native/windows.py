@@ -77,5 +77,9 @@ def _compiled_window_permute(
         return None
     flat = numpy.ascontiguousarray(local, dtype=numpy.int64).reshape(-1)
     out = numpy.empty_like(flat)
-    lib.sf_window_permute(flat, flat.size, windows, half, key, rounds, out)
+    if lib.sf_window_permute(flat, flat.size, windows, half, key, rounds, out) != 0:
+        raise StatefulsetError(
+            f"internal: the window order kernel refused windows={windows}, half={half}, rounds={rounds} "
+            "or a negative sample"
+        )
     return out
