@@ -106,3 +106,23 @@ def test_a_bad_line_is_named_by_file_and_line_across_tasks(tmp_path):
     with pytest.raises(StatefulsetError, match=r"in.jsonl:334: invalid JSON"):
         preprocess_ray([str(tmp_path / "in.jsonl")], str(tmp_path / "out"), task_bytes=20000, chunk_bytes=4096,
                        show_progress=False)  # fmt: skip
+
+
+def test_a_second_run_in_the_same_driver_uses_its_own_settings(tmp_path):
+    """On 5cf6a81 Ray's reused worker processes kept the first run's setup: a run without EOD, then one
+    with --append-eod in the same driver, wrote the second without its EOD tokens and no error."""
+    from statefulset.tools.part_tasks import preprocess_ray
+
+    with open(tmp_path / "in.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in _rows(300, 4))
+    source = [str(tmp_path / "in.jsonl")]
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:  # one worker process, already set up by the first run, serves the second
+        preprocess_ray(source, str(tmp_path / "plain"), task_bytes=20000, show_progress=False)
+        preprocess_ray(source, str(tmp_path / "eod"), task_bytes=20000, append_eod=True, show_progress=False)
+    finally:
+        ray.shutdown()
+    for name, eod in (("plain", False), ("eod", True)):
+        preprocess(source, str(tmp_path / f"local_{name}"), append_eod=eod, show_progress=False)
+        assert _same(str(tmp_path / f"{name}_text_document"), str(tmp_path / f"local_{name}_text_document"))

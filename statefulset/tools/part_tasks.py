@@ -145,8 +145,7 @@ def _units(task: Task, chunk_bytes: int) -> Iterator[Any]:
 
 def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) -> dict[str, Any]:
     """Tokenise one task into its committed part; returns (and leaves) its summary."""
-    if not local._WORKER:
-        local._init_worker(*init_args)
+    local.ensure_worker(init_args)  # set up again when this run's settings differ from an earlier run's (C2)
     keys, dtype = init_args[1], init_args[3]
     parts = Folder(parts_path)
     staged = {k: StagedOutput(parts.join(f"part-{task.number:06d}_{k}_document")) for k in keys}

@@ -225,6 +225,23 @@ def _init_worker(
     _WORKER.update(tokenizer=spec.build(), keys=keys, append_eod=append_eod, dtype=dtype)
 
 
+def setup_key(
+    spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool, dtype: numpy.dtype, quiet_threads: bool
+) -> str:
+    """Everything a worker's setup depends on, the tokenizer file's bytes included."""
+    return repr((spec.fingerprint(), keys, append_eod, numpy.dtype(dtype).str, quiet_threads))
+
+
+def ensure_worker(init_args: tuple) -> None:
+    """Sets this process up for ``init_args`` unless it already is: a Ray worker process serves the
+    tasks of every run of its driver, and a second run's settings must never meet the first's tokenizer."""
+    key = setup_key(*init_args)
+    if _WORKER.get("key") != key:
+        _WORKER.clear()
+        _init_worker(*init_args)
+        _WORKER["key"] = key
+
+
 def _rows(chunk: _Chunk, keys: tuple[str, ...]) -> list[object]:
     """A row group's ``keys`` columns as one dict per row (what a JSON line parses into)."""
     parquet = _parquet_module()
