@@ -25,6 +25,22 @@ from statefulset.tools import preprocess as local
 from statefulset.tools.locations import Folder, StagedOutput
 
 logger = logging.getLogger("statefulset")
+PART_PREFIX, DONE = "part-", ".done"
+
+
+def part_name(number: int) -> str:
+    """Task ``number``'s part: ``part-000042`` (six digits at least; a millionth task has seven)."""
+    return f"{PART_PREFIX}{number:06d}"
+
+
+def committed_numbers(names: list[str]) -> set[int]:
+    """The task numbers of the committed parts (``part-<digits>.done``) among a parts folder's names."""
+    found = set()
+    for name in names:
+        digits = name[len(PART_PREFIX) : -len(DONE)]
+        if name.startswith(PART_PREFIX) and name.endswith(DONE) and digits.isdigit():
+            found.add(int(digits))
+    return found
 
 
 class OrderedMerge:
@@ -48,7 +64,7 @@ class OrderedMerge:
             self.following += 1
 
     def _append(self, number: int) -> None:
-        summary = json.loads(self.parts.read_text(f"part-{number:06d}.done"))
+        summary = json.loads(self.parts.read_text(part_name(number) + DONE))
         result = self.result
         for unit in summary["units"]:
             first = self._line_of.get(unit["path"], 0) + 1
@@ -61,7 +77,7 @@ class OrderedMerge:
         result.peak_task_rss = max(result.peak_task_rss, summary.get("peak_rss", 0))
         for key, writer in self.writers.items():
             result.tokens[key] = result.tokens.get(key, 0) + summary["tokens"][key]
-            name = f"part-{number:06d}_{key}_document"
+            name = f"{part_name(number)}_{key}_document"
             if not self.on_store:
                 with self.parts.local_shard(name) as prefix:
                     writer.add_index(prefix)

@@ -34,7 +34,7 @@ from statefulset.shards.writer import IndexedDatasetWriter
 from statefulset.tools import locations
 from statefulset.tools import preprocess as local
 from statefulset.tools.locations import Folder, StagedOutput
-from statefulset.tools.part_merge import OrderedMerge
+from statefulset.tools.part_merge import DONE, OrderedMerge, committed_numbers, part_name
 from statefulset.tools.progress import Progress
 from statefulset.tools.worker_pool import no_news_limit
 
@@ -148,7 +148,7 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
     local.ensure_worker(init_args)  # set up again when this run's settings differ from an earlier run's (C2)
     keys, dtype = init_args[1], init_args[3]
     parts = Folder(parts_path)
-    staged = {k: StagedOutput(parts.join(f"part-{task.number:06d}_{k}_document")) for k in keys}
+    staged = {k: StagedOutput(parts.join(f"{part_name(task.number)}_{k}_document")) for k in keys}
     writers = {k: IndexedDatasetWriter(staged[k].local, dtype) for k in keys}
     summary: dict[str, Any] = {"documents": 0, "tokens": dict.fromkeys(keys, 0), "units": [], "bytes": 0}
     try:
@@ -181,7 +181,7 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
         staged[key].publish()
     summary["peak_rss"] = _peak_rss()
     summary["node"] = _node_id()
-    parts.write_text(f"part-{task.number:06d}.done", json.dumps(summary))  # the part is committed
+    parts.write_text(part_name(task.number) + DONE, json.dumps(summary))  # the part is committed
     return summary
 
 
@@ -262,7 +262,7 @@ def run_tasks(
     """Runs the tasks not yet committed, at most ``window`` in flight and submitted in input order (so the
     merge follows close behind, and the driver's bookkeeping stays small with 100,000 tasks); feeds the
     merge as parts commit; returns how many parts an earlier run had committed."""
-    committed = {int(n[5:11]) for n in parts.names() if n.startswith("part-") and n.endswith(".done")}
+    committed = committed_numbers(parts.names())
     kept = len(committed)
     merge.advance(committed)
     todo = iter([t for t in tasks if t.number not in committed])
