@@ -2,7 +2,8 @@
 
 The loaders (:mod:`statefulset.loading.loader`) hand out what a ``Delivery`` yields. It builds the
 DataLoader over a :class:`~statefulset.loading.batches.BatchSource`, waits for each worker hand-off
-under the watchdog (:mod:`statefulset.loading.watchdog`), starts forked workers again that never
+under the watchdog (:mod:`statefulset.loading.watchdog`; with no workers the batches are built
+on a helper thread so that the wait stays bounded), starts forked workers again that never
 started (:mod:`statefulset.loading.worker_start`), and widens or pins the batches it receives.
 """
 
@@ -19,7 +20,7 @@ from statefulset.loading import torch_internals
 from statefulset.loading.batches import BatchRing, BatchSource, bundle_size, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.state import Cursor
-from statefulset.loading.watchdog import TimedOut, Watchdog
+from statefulset.loading.watchdog import InProcessSource, TimedOut, Watchdog
 from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, stop_workers
 
 
@@ -66,6 +67,7 @@ class Delivery:
         self.first = True
         self.ready: list[dict[str, torch.Tensor]] = []  # the rest of a worker's bundle, last first
         self.start_watch = StartWatch(options["multiprocessing_context"]) if self.workers else None
+        self.in_process: InProcessSource | None = None
         self._start(cursor)
 
     def _start(self, cursor: Cursor) -> None:
@@ -74,10 +76,12 @@ class Delivery:
         if self.start_watch is not None:
             torch_internals.check_iterator(self.iterator)
             self.start_watch.watch(self.source.ring.started)
+        elif self.watchdog.timeout is not None:  # no workers: build on a thread, wait under the watchdog
+            self.in_process = InProcessSource(self.iterator)
 
     def _get(self, period: float | None) -> Any:
         if not self.workers:
-            return next(self.iterator)
+            return next(self.iterator) if self.in_process is None else self.in_process.get(period)
         if self.start_watch is None or not self.start_watch.pending():
             return self._wait(period)
         # Until every worker has started, wait in steps of a second and look for stuck ones.
