@@ -31,7 +31,7 @@ from typing import Any
 
 from statefulset.errors import StatefulsetError
 from statefulset.shards.writer import IndexedDatasetWriter
-from statefulset.tools import locations
+from statefulset.tools import fault_gate, locations
 from statefulset.tools import preprocess as local
 from statefulset.tools.locations import Folder, StagedOutput
 from statefulset.tools.part_merge import DONE, OrderedMerge, committed_numbers, part_name
@@ -146,6 +146,7 @@ def _units(task: Task, chunk_bytes: int) -> Iterator[Any]:
 def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) -> dict[str, Any]:
     """Tokenise one task into its committed part; returns (and leaves) its summary."""
     local.ensure_worker(init_args)  # set up again when this run's settings differ from an earlier run's (C2)
+    fault_gate.hold(task.number)  # tests only: a kill lands while later tasks are held
     keys, dtype = init_args[1], init_args[3]
     parts = Folder(parts_path)
     staged = {k: StagedOutput(parts.join(f"{part_name(task.number)}_{k}_document")) for k in keys}
