@@ -15,6 +15,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 
 import fsspec
 import pytest
@@ -63,6 +64,30 @@ def test_memory_inputs_and_output_give_the_bytes_of_local_files(tmp_path):
     finally:
         fs.rm("/sf-in", recursive=True)
         fs.rm("/sf-out", recursive=True)
+
+
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_a_failed_upload_leaves_no_key_staged(tmp_path, monkeypatch, executor):
+    """On 5cf6a81 a failed upload of the first key (text) left the second key's (title) staged corpus in
+    the temporary folder: publish ran outside the cleanup, for --workers and for the Ray merge alike."""
+    local = _inputs(tmp_path, 300)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(staging))  # this process's temporaries only (not Ray's)
+    (tmp_path / "out" / "c_text_document.bin").mkdir(parents=True)  # the upload of text's .bin fails
+    kwargs = {"json_keys": ("text", "title"), "show_progress": False}
+    with pytest.raises(StatefulsetError, match=r"c_text_document"):
+        if executor == "ray":
+            pytest.importorskip("ray")
+            from statefulset.tools.part_tasks import preprocess_ray
+
+            monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+            (tmp_path / "out" / "c.parts").mkdir()  # local:// is a store to us: it makes no folders
+            preprocess_ray(local, f"local://{tmp_path}/out/c", task_bytes=20000, **kwargs)
+        else:
+            preprocess(local, f"local://{tmp_path}/out/c", workers=2, **kwargs)
+    assert os.listdir(staging) == []
+    assert not (tmp_path / "out" / "c_title_document.bin").exists()
 
 
 @pytest.fixture(scope="module")

@@ -300,3 +300,22 @@ class StagedOutput:
     def discard(self) -> None:
         if self._folder:
             shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def discard_all(writers: dict[str, Any], staged: dict[str, StagedOutput]) -> None:
+    """Drop every key's output: the writers' temporaries and the local staging of remote outputs."""
+    for key, writer in writers.items():
+        writer.abort()  # nothing to do for a writer already closed
+        staged[key].discard()
+
+
+def publish_all(writers: dict[str, Any], staged: dict[str, StagedOutput]) -> None:
+    """Close each key's writer and publish its output; when one fails, every key's staging goes, not
+    only the failed one's (5cf6a81 left the later keys' staged corpora on local disk), then it raises."""
+    try:
+        for key, writer in writers.items():
+            writer.close()
+            staged[key].publish()
+    except BaseException:
+        discard_all(writers, staged)
+        raise

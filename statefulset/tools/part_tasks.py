@@ -173,13 +173,9 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
             )
             summary["bytes"] += chunk.nbytes
     except BaseException:
-        for key, writer in writers.items():
-            writer.abort()
-            staged[key].discard()
+        locations.discard_all(writers, staged)
         raise
-    for key, writer in writers.items():
-        writer.close()
-        staged[key].publish()
+    locations.publish_all(writers, staged)
     summary["peak_rss"] = _peak_rss()
     summary["node"] = _node_id()
     parts.write_text(part_name(task.number) + DONE, json.dumps(summary))  # the part is committed
@@ -353,7 +349,7 @@ def preprocess_ray(
         except BaseException:
             merge.abort()
             raise
-    merge.publish()
+    merge.publish()  # on failure it drops every key's staging itself; the committed parts stay for a rerun
     parts.remove()
     result.seconds = time.perf_counter() - began
     return result
