@@ -23,6 +23,7 @@ spawned workers, or workers of a trainer that never read a batch itself, use obs
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from statefulset import settings
@@ -107,10 +108,24 @@ def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
     return store, key
 
 
-def read_ranges(store: Any, key: str, starts: list[int], ends: list[int]) -> list[bytes]:
-    """The bytes of each ``[start, end)``, concurrent; ranges are already merged by the caller."""
+def gets(store: Any, key: str, etag: str, starts: list[int], ends: list[int]) -> list[Callable[[], Awaitable[bytes]]]:
+    """One ranged GET per ``[start, end)`` through obstore, pinned to ``etag`` (``If-Match``) when given;
+    run them with :func:`statefulset.shards.ranged_reads.run`."""
     import obstore
 
     global _started_in
     _started_in = os.getpid()
-    return [bytes(b) for b in obstore.get_ranges(store, key, starts=starts, ends=ends, coalesce=0)]
+
+    def make(start: int, end: int) -> Callable[[], Awaitable[bytes]]:
+        async def get() -> bytes:
+            if end <= start:
+                return b""
+            options: dict[str, Any] = {"range": (start, end)}
+            if etag:
+                options["if_match"] = etag
+            result = await obstore.get_async(store, key, options=options)
+            return bytes(await result.bytes_async())
+
+        return get
+
+    return [make(s, e) for s, e in zip(starts, ends, strict=True)]
