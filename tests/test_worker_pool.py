@@ -145,10 +145,12 @@ def test_a_worker_error_is_raised_in_input_order_and_the_workers_are_gone():
     assert [c for c in _children(os.getpid()) if _alive(c)] == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("workers_state", ["held at the gate", "stopped"])
-def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state):
+def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state, sig):
     """On 5cf6a81 they never did: each worker inherited its siblings' pipe ends, so none saw end-of-file,
-    and nothing else tied them to their parent."""
+    and nothing else tied them to their parent. SIGTERM (``kill PID``, a job scheduler) ends the main
+    process without a handler, as SIGKILL does."""
     _corpus(tmp_path / "in.jsonl", 4000, 2)
     gate = tmp_path / "gate"
     gate.write_text("")
@@ -165,8 +167,8 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state):
                 os.kill(pid, signal.SIGSTOP)
         time.sleep(0.5)  # each worker holds its first unit at the gate (or is stopped)
         assert proc.poll() is None, proc.stderr.read()
-        proc.kill()
-        proc.wait()
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=BOUND_S) == -sig
         _wait_for(lambda: not any(_alive(p) for p in workers), "the workers to end after their parent", BOUND_S)
     finally:
         gate.unlink()

@@ -36,6 +36,7 @@ from statefulset.tools import preprocess as local
 from statefulset.tools.locations import Folder, StagedOutput
 from statefulset.tools.part_merge import DONE, OrderedMerge, committed_numbers, part_name
 from statefulset.tools.progress import Progress
+from statefulset.tools.ray_guardian import RayGuardian
 from statefulset.tools.worker_pool import no_news_limit
 
 logger = logging.getLogger("statefulset")
@@ -239,17 +240,23 @@ def ray_session(address: str | None) -> Iterator[Any]:
         import ray
     except ImportError:
         raise StatefulsetError("--executor ray needs ray: pip install 'statefulset[ray]'") from None
-    started_here = not ray.is_initialized()
-    if started_here:
+    if ray.is_initialized():
+        yield ray
+        return
+    # A local Ray started here ends with this process, however it ends (tools/ray_guardian.py).
+    guardian = RayGuardian.start() if address is None else None
+    try:
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise StatefulsetError(f"--ray-address {address}: cannot connect to the Ray cluster: {exc}") from None
-    try:
-        yield ray
-    finally:
-        if started_here:
+        try:
+            yield ray
+        finally:
             ray.shutdown()
+    finally:
+        if guardian is not None:
+            guardian.stop()
 
 
 def run_tasks(
