@@ -276,6 +276,7 @@ def run_tasks(
     shared = ray.put(init_args)  # the tokenizer's text, stored once rather than sent with every task
     pending: dict[Any, Task] = {}
     nodes: set[str] = set()
+    completed = False
     try:
         limit = no_news_limit()
         last_news = last_log = time.monotonic()
@@ -310,8 +311,9 @@ def run_tasks(
                 progress.note = f"{len(committed)}/{len(tasks)} tasks"
                 progress.update(summary["documents"], sum(summary["tokens"].values()), summary["bytes"])
             merge.advance(committed)
+        completed = True
     finally:
-        progress.close()
+        progress.close(completed)
         for ref in pending:  # stopped early: nothing of this run keeps running on the cluster
             ray.cancel(ref, force=True)
     merge.result.ray_nodes = len(nodes)

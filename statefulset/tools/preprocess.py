@@ -469,10 +469,10 @@ def preprocess(
             result.documents += encoded.documents
             progress.update(encoded.documents, tokens, encoded.nbytes)
     except BaseException:
+        progress.close(completed=False)
         locations.discard_all(writers, staged)
         raise
-    finally:
-        progress.close()
+    progress.close()
     locations.publish_all(writers, staged)
     result.input_bytes = progress.bytes
     result.seconds = progress.seconds
