@@ -149,8 +149,8 @@ def test_a_worker_error_is_raised_in_input_order_and_the_workers_are_gone():
 @pytest.mark.parametrize("workers_state", ["held at the gate", "stopped"])
 def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state, sig):
     """On 5cf6a81 they never did: each worker inherited its siblings' pipe ends, so none saw end-of-file,
-    and nothing else tied them to their parent. SIGTERM (``kill PID``, a job scheduler) ends the main
-    process without a handler, as SIGKILL does."""
+    and nothing else tied them to their parent. SIGTERM (``kill PID``, a job scheduler) makes the CLI
+    unwind (exit 143) and stop its workers, even stopped ones; SIGKILL leaves it to PR_SET_PDEATHSIG."""
     _corpus(tmp_path / "in.jsonl", 4000, 2)
     gate = tmp_path / "gate"
     gate.write_text("")
@@ -168,7 +168,7 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state, si
         time.sleep(0.5)  # each worker holds its first unit at the gate (or is stopped)
         assert proc.poll() is None, proc.stderr.read()
         os.kill(proc.pid, sig)
-        assert proc.wait(timeout=BOUND_S) == -sig
+        assert proc.wait(timeout=BOUND_S) == (143 if sig == signal.SIGTERM else -sig)
         _wait_for(lambda: not any(_alive(p) for p in workers), "the workers to end after their parent", BOUND_S)
     finally:
         gate.unlink()
