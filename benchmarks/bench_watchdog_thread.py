@@ -15,7 +15,6 @@ alone: ``InProcessSource.get`` against a plain ``next`` over an iterator that co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -61,7 +60,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, default=20000)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_watchdog_thread.json"))
+    parser.add_argument("--quick", action="store_true", help="smoke run (3 runs of 500 batches)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.batches = 3, 500
+        args.out = os.path.join(HERE, "out", "quick", "bench_watchdog_thread.json")
 
     import torch
     from benchenv import environment, git_state, load_average, spread
@@ -98,9 +101,9 @@ def main() -> None:
             "handoff": handoff_summary["thread"]["median"] - handoff_summary["plain_next"]["median"],
         },
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    from provenance import write_results
+
+    write_results("bench_watchdog_thread", result, path=args.out, quick=args.quick)
     print(f"num_workers=0, micro-batch {BATCH} x {SEQ + 1}, {args.batches} batches, {args.repeats} runs each")
     for label, sp in {**summary, **{f"handoff_{k}": v for k, v in handoff_summary.items()}}.items():
         print(f"  {label}: median {sp['median']:.1f} us (min {sp['min']:.1f}, max {sp['max']:.1f})")

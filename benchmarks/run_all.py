@@ -46,13 +46,16 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_object_storage.py": ["--quick"],
     "bench_request_cpu.py": ["--quick"],
     "bench_worker_pool.py": ["--quick"],
+    "bench_watchdog_thread.py": ["--quick"],
     "quick_worker_throughput.py": ["--quick"],
 }
 # Modules that are not benchmarks: helpers, anchors run by a benchmark in another environment.
 NOT_SCRIPTS = {
     "anchor_datatrove_tokenize.py", "anchor_olmo_packing.py", "benchenv.py", "corpus.py", "jsonl_corpus.py",
-    "plots.py", "provenance.py", "report.py", "run_all.py",
+    "plots.py", "provenance.py", "report.py", "run_all.py", "campaign.py",
 }  # fmt: skip
+# Results files whose figures are quoted on another page than docs/benchmarks.md.
+RESULTS_ELSEWHERE = {"campaign.json": "docs/reliability.md"}
 
 
 def missing_requirement(script: str) -> str | None:
