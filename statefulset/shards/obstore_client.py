@@ -1,11 +1,12 @@
 """Ranged reads of ``s3://`` objects through obstore (Rust's ``object_store``), when it is installed.
 
-Measured on this project's 2-core machine against a loopback S3 server (docs/object-storage.md),
-s3fs spends ~2.8 ms of client CPU per ranged GET (botocore signs, parses and retries in Python),
-obstore ~0.4 ms. A training host's CPUs feed GPUs; a loader that needs one request per sample
-should not burn a core on them. So when ``obstore`` is importable (the ``s3`` extra installs it)
-and the spec's ``storage_options`` are ones it can honour, the ``.bin`` ranges of an ``s3://``
-object go through obstore; sizes, the ``.idx`` download and every other scheme stay on fsspec.
+s3fs spends several times obstore's client CPU per ranged GET (botocore signs, parses and retries
+in Python): an unrecorded profile on this project's 2-core machine gave ~2.8 against ~0.4 ms;
+``benchmarks/bench_request_cpu.py`` measures it (docs/object-storage.md). A training host's CPUs
+feed GPUs; a loader that needs one request per sample should not burn a core on them. So when
+``obstore`` is importable (the ``s3`` extra installs it) and the spec's ``storage_options`` are
+ones it can honour, the ``.bin`` ranges of an ``s3://`` object go through obstore; sizes, the
+``.idx`` download and every other scheme stay on fsspec.
 
 The same configuration reaches both: the endpoint (``endpoint_url``, ``client_kwargs``, or
 ``AWS_ENDPOINT_URL[_S3]``), the region, and credentials resolved by botocore exactly as s3fs
