@@ -154,9 +154,9 @@ def main() -> None:
         "ratio_open_cpu": _spread(open_ratios),
         "raw": rows,
     }
-    os.makedirs(os.path.dirname(args.results), exist_ok=True)
-    with open(args.results, "w") as f:
-        json.dump(report, f, indent=2)
+    from provenance import write_results
+
+    write_results("bench_concurrent_open", report, path=args.results)
     r = report["ratio_total_cpu"]
     print(f"{args.procs} at once / one, total CPU: {r['median']:.2f}x (min {r['min']:.2f}, max {r['max']:.2f})")
     print(f"written to {args.results}")

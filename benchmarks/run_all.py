@@ -47,6 +47,16 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_request_cpu.py": ["--quick"],
     "bench_worker_pool.py": ["--quick"],
     "bench_watchdog_thread.py": ["--quick"],
+    "bench_concurrent_open.py": [
+        "--docs",
+        "200000",
+        "--runs",
+        "1",
+        "--out",
+        "benchmarks/out/quick/concurrent",
+        "--results",
+        "benchmarks/out/quick/bench_concurrent_open.json",
+    ],
     "quick_worker_throughput.py": ["--quick"],
 }
 # Modules that are not benchmarks: helpers, anchors run by a benchmark in another environment.
