@@ -17,7 +17,7 @@ The clients alternate (s3fs, obstore, s3fs, ...) for ``--rounds`` rounds (at lea
 and spread. Run::
 
     S3RVER_BIN=/path/to/node_modules/.bin/s3rver python benchmarks/bench_request_cpu.py
-    python benchmarks/bench_request_cpu.py --quick   # 200 requests, results to benchmarks/out/quick
+    python benchmarks/bench_request_cpu.py --quick   # 50 requests, results to benchmarks/out/quick
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=3200, help="ranged GETs per client process")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median and spread)")
-    parser.add_argument("--quick", action="store_true", help="200 requests per process")
+    parser.add_argument("--quick", action="store_true", help="50 requests per process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -128,7 +128,7 @@ def main() -> None:
     from s3_servers import moto_server, s3rver_command, s3rver_server, upload
 
     if args.quick:
-        args.requests = 200
+        args.requests = 50
     rounds = max(3, args.rounds)
     runs: dict[str, list[dict]] = {c: [] for c in CLIENTS}
     with tempfile.TemporaryDirectory() as scratch:
