@@ -23,10 +23,19 @@ from importlib import metadata
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-sys.path.insert(0, HERE)
+# This script's own folder would shadow the tests' ``campaign`` package with this file.
+sys.path[:] = [os.path.join(ROOT, "tests")] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
-from benchenv import environment, git_state  # noqa: E402
+
+def _benchenv():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchenv", os.path.join(HERE, "benchenv.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 from campaign import draw  # noqa: E402
 from campaign.known import KNOWN  # noqa: E402
 from campaign.outcome import FINDINGS, HANG  # noqa: E402
@@ -73,6 +82,39 @@ def coverage(cases: list[dict], results: list[dict]) -> dict:
     return {k: dict(sorted(v.items())) for k, v in sorted(dims.items())}
 
 
+def _deadline(text: str | None):
+    if not text:
+        return None
+    now = time.gmtime()
+    hour, minute = (int(x) for x in text.split(":"))
+    left = (hour * 60 + minute - now.tm_hour * 60 - now.tm_min) * 60 - now.tm_sec
+    end = time.monotonic() + left
+    return lambda: time.monotonic() > end
+
+
+def rerun_findings(path: str, jobs: int, timeout: float) -> int:
+    """Each finding of ``path`` once more on this checkout; the verdicts are added to the file."""
+    with open(path) as f:
+        report = json.load(f)
+    seeds = [f["seed"] for f in report["findings"]]
+    cases = [draw(seed, long_form=True) for seed in seeds]
+    head = _benchenv().git_state()["head"]
+    with tempfile.TemporaryDirectory(prefix="campaign-rerun-") as root, Session(root, jobs=jobs, timeout=timeout) as s:
+        results = s.run(cases)
+    for finding, result in zip(report["findings"], results, strict=True):
+        finding["rerun"] = {"commit": head, "verdict": result["verdict"], "detail": result["detail"][:300]}
+    report["findings_rerun_on"] = head
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    print(
+        json.dumps(
+            [{"seed": f["seed"], "fault": f["fault"], "rerun": f["rerun"]["verdict"]} for f in report["findings"]]
+        )
+    )
+    return 0
+
+
 def _summary(case: dict) -> dict:
     keep = ("kind", "fault", "storage", "packing", "workers", "contexts", "dp_sizes", "document_boundaries")
     return {k: case[k] for k in keep if k in case}
@@ -86,7 +128,13 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=150.0, help="hard timeout of one case, seconds")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "campaign.json"))
     ap.add_argument("--log", default=None, help="one JSON line per finished case (default: beside --out)")
+    ap.add_argument(
+        "--deadline", default=None, help="UTC HH:MM after which no case starts (the JSON says how many ran)"
+    )
+    ap.add_argument("--rerun-findings", metavar="JSON", help="rerun the findings of a results file on this checkout")
     args = ap.parse_args()
+    if args.rerun_findings:
+        return rerun_findings(args.rerun_findings, args.jobs, args.timeout)
     log_path = args.log or os.path.splitext(args.out)[0] + ".log.jsonl"
     seeds = range(args.first_seed, args.first_seed + args.cases)
     cases = [draw(seed, long_form=True) for seed in seeds]
@@ -100,7 +148,8 @@ def main() -> int:
                 print(f"seed {case['seed']}: {result['verdict']}: {result['detail'][:300]}", flush=True)
 
         with Session(root, jobs=args.jobs, timeout=args.timeout, keep_findings=False) as session:
-            results = session.run(cases, progress)
+            results = session.run(cases, progress, stop=_deadline(args.deadline))
+            cases = cases[: len(results)]
             for case, result in zip(cases, results, strict=True):  # a timeout: once more, alone, twice as long
                 if result["verdict"] == HANG and "no result within" in result["detail"]:
                     session.timeout = 2 * args.timeout
@@ -119,8 +168,8 @@ def main() -> int:
     counts["new findings"] = len(findings) - counts["known"]
     report = {
         "benchmark": "campaign",
-        "git": git_state(),
-        "machine": environment(),
+        "git": _benchenv().git_state(),
+        "machine": _benchenv().environment(),
         "versions": _versions(),
         "args": {"cases": args.cases, "first_seed": args.first_seed, "jobs": args.jobs, "timeout_s": args.timeout},
         "seconds": round(time.time() - started, 1),

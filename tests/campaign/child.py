@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 import traceback
 
@@ -30,6 +31,8 @@ def run_case(case: dict, env: dict, result_path: str) -> None:
     if case.get("fault") == "lock_holder_stop":
         os.environ["STATEFULSET_CACHE_WAIT"] = "5"
     started = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_before = before.ru_utime + before.ru_stime  # what the fork server had spent before the fork
     result: dict = {"detail": ""}
     try:
         result.update(RUN[case["kind"]](case, env))
@@ -45,6 +48,8 @@ def run_case(case: dict, env: dict, result_path: str) -> None:
             verdict=UNNAMED, detail=f"{type(exc).__name__}: {exc}"[:600] + "\n" + traceback.format_exc()[-2000:]
         )
     result["seconds"] = round(time.monotonic() - started, 2)
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    result["cpu_s"] = round(own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime - cpu_before, 2)
     result.setdefault("landed", case.get("landed", False))
     with open(result_path + ".tmp", "w") as f:
         json.dump(result, f)

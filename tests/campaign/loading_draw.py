@@ -90,6 +90,8 @@ def draw_load(rng: random.Random, long_form: bool) -> dict:
         case["batch_sizes"] = (case["batch_sizes"][0],) * 2
     case["fault"] = _fault(rng, storage, workers, dp)
     case["fault_phase"] = rng.choice((1, 2))
+    if dp and max(dp_sizes) > 1 and rng.random() < 0.4:  # a rank killed or stopped (long form only)
+        case["fault"] = rng.choice(("kill_rank", "stop_rank"))
     if case["fault"] in ("damage_state", "retokenised_bin"):
         case["fault_phase"] = 2  # a state is damaged, or the data re-tokenised, between save and restore
     case["fault_at"] = rng.randint(0, max(0, case["steps"][case["fault_phase"] - 1] - 1))

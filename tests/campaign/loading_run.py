@@ -10,6 +10,9 @@ import gc
 import multiprocessing
 import os
 import pickle
+import random
+import signal
+import time
 import traceback
 
 import numpy
@@ -78,7 +81,7 @@ def _to_numpy(batch: dict) -> dict:
     return {k: v.numpy() if hasattr(v, "numpy") else numpy.asarray(v) for k, v in batch.items()}
 
 
-def take(case: dict, phase: int, spec: dict, rank: int, world: int, state, faults: LoadFaults | None):
+def take(case: dict, phase: int, spec: dict, rank: int, world: int, state, faults: LoadFaults | None, gate=None):
     """Open, restore ``state`` (a rank state or a global list), take this phase's batches, save."""
     from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 
@@ -89,6 +92,8 @@ def take(case: dict, phase: int, spec: dict, rank: int, world: int, state, fault
         spec, batch_size=case["batch_sizes"][i], worker_config=wc, document_boundaries=case["document_boundaries"]
     )
     watch = {"watchdog_timeout_seconds": 4, "fail_on_timeout": True} if case["fault"] == "stop_worker" else {}
+    if world > 1:
+        watch["collective_timeout"] = 30  # a dead or stopped peer: a named error after 30 s, not 300
     loader = get_savable_loader(ds, multiprocessing_context=case["contexts"][i] if workers else None, **watch)
     if state is not None:
         if case["restore"] == "global":
@@ -102,6 +107,8 @@ def take(case: dict, phase: int, spec: dict, rank: int, world: int, state, fault
         if faults is not None:
             faults.at_batch(phase, t, before)
         batches.append(_to_numpy(next(it)))
+        if gate is not None and t == 0:
+            open(gate, "w").close()  # the rank took its first batch: a rank fault may land now
     saved = loader.save_state_global(0) if case["restore"] == "global" else loader.save_state_rank()
     del it, loader
     gc.collect()
@@ -199,7 +206,7 @@ def _rank_main(rank: int, world: int, init_file: str, case: dict, phase: int, sp
         if phase == 2:
             with open(state_file, "rb") as f:
                 state = pickle.load(f)
-        batches, saved = take(case, phase, spec, rank, world, state, None)
+        batches, saved = take(case, phase, spec, rank, world, state, None, gate=f"{out}.started")
         with open(f"{out}.{rank}", "wb") as f:
             pickle.dump(("ok", batches, saved), f)
     except BaseException as exc:  # reported to the case process, which re-raises it
@@ -230,16 +237,50 @@ def _phase_ranks(case: dict, phase: int, spec: dict, work: str) -> list:
     ]
     for p in ranks:
         p.start()
+    victim = _signal_rank(case, phase, ranks, out)
+    deadline = time.monotonic() + 240
     for p in ranks:
-        p.join(240)
-    results = []
+        if p is not victim:
+            p.join(max(0.0, deadline - time.monotonic()))
+    if victim is not None:
+        victim.kill()  # a stopped rank stays stopped until the others are done
+        victim.join(30)
+    results = {}
     for r in range(world):
-        with open(f"{out}.{r}", "rb") as f:
-            results.append(pickle.load(f))
-    for status, *rest in results:
-        if status == "error":
-            raise rest[0]
-    return results
+        if os.path.exists(f"{out}.{r}"):
+            with open(f"{out}.{r}", "rb") as f:
+                results[r] = pickle.load(f)
+        elif ranks[r] is not victim:
+            raise RuntimeError(f"rank {r} of phase {phase} ended with exit code {ranks[r].exitcode} and no result")
+    errors = [rest for status, *rest in results.values() if status == "error"]
+    named = [e for e, _ in errors if _is_named(e)]
+    if errors:
+        raise (named or [errors[0][0]])[0]
+    # The others finished although the victim left no result: it was signalled after its part of the
+    # collective, before it wrote its file. Their batches are still checked.
+    return [results.get(r, ("ok", [], None)) for r in range(world)]
+
+
+def _is_named(exc: BaseException) -> bool:
+    from statefulset import StatefulsetError
+
+    return isinstance(exc, StatefulsetError)
+
+
+def _signal_rank(case: dict, phase: int, ranks: list, out: str):
+    """For kill_rank / stop_rank: the last rank, once one rank took a batch (or all are done)."""
+    if not case["fault"].endswith("_rank") or case["fault_phase"] != phase or len(ranks) < 2:
+        return None
+    deadline = time.monotonic() + 120
+    while not os.path.exists(f"{out}.started") and any(p.is_alive() for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(random.Random(case["seed"]).uniform(0.0, 1.0))
+    victim = ranks[-1]
+    if victim.is_alive():
+        os.kill(victim.pid, signal.SIGKILL if case["fault"] == "kill_rank" else signal.SIGSTOP)
+        case["landed"] = True
+        return victim
+    return None
 
 
 def _ranks(case: dict, spec: dict, faults: LoadFaults, work: str) -> list:

@@ -168,7 +168,7 @@ def _compare(got: dict, want: dict, what: str) -> None:
 
 def _locations(case: dict, env: dict, inputs: list[str]):
     """The case's inputs and output as the CLI sees them, its environment, the S3 client, a proxy."""
-    from campaign.s3 import CaseProxy, client, env_for
+    from campaign.s3 import CaseProxy, client, env_for, put_file
 
     work = env["work"]
     if case["storage"] == "local":
@@ -178,7 +178,7 @@ def _locations(case: dict, env: dict, inputs: list[str]):
     urls = []
     for path in inputs:
         key = f"cases/{case['seed']}/in/{os.path.basename(path)}"
-        s3.upload_file(path, env["bucket"], key)
+        put_file(s3, path, env["bucket"], key)
         urls.append(f"s3://{env['bucket']}/{key}")
     output = os.path.join(work, "out", "c") if case["storage"] == "s3" else f"{base}/out/c"
     proxy = CaseProxy(env["endpoint"]) if case["storage"] == "s3-proxy" else None

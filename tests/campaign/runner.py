@@ -106,9 +106,12 @@ class Session:
             shutil.rmtree(os.path.dirname(result_path), ignore_errors=True)
         return result
 
-    def run(self, cases: list[dict], progress=None) -> list[dict]:
+    def run(self, cases: list[dict], progress=None, stop=None) -> list[dict]:
+        """Results in the order of ``cases``; ``stop()`` true: start no more (those not run are left out)."""
         pending, running, results = list(cases), {}, []
         while pending or running:
+            if stop is not None and stop():
+                pending = []
             while pending and len(running) < self.jobs:
                 case = pending.pop(0)
                 running[case["seed"]] = (case, *self._start(case))

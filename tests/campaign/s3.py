@@ -27,10 +27,16 @@ def ensure_bucket(s3, bucket: str) -> None:
         s3.create_bucket(Bucket=bucket)
 
 
+def put_file(s3, path: str, bucket: str, key: str) -> None:
+    """One PutObject: no transfer-manager threads in a case process that forks afterwards."""
+    with open(path, "rb") as f:
+        s3.put_object(Bucket=bucket, Key=key, Body=f.read())
+
+
 def upload_copy(s3, bucket: str, shards: dict[str, str], prefix: str) -> None:
     for name, local in shards.items():
         for ext in (".bin", ".idx"):
-            s3.upload_file(local + ext, bucket, f"{prefix}/{name}{ext}")
+            put_file(s3, local + ext, bucket, f"{prefix}/{name}{ext}")
 
 
 def env_for(endpoint: str) -> dict[str, str]:
