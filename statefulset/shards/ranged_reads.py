@@ -7,8 +7,11 @@
   while in flight, so a store that slows down makes the whole process slow down.
 - **Retried one by one**: a request that fails transiently is sent again (the others are not),
   after the limiter's shared pause, up to ``STATEFULSET_STORAGE_RETRIES`` times within
-  ``STATEFULSET_STORAGE_RETRY_SECONDS`` of its first failure; each attempt is bounded by the
-  client's connect and read timeouts, and the whole call by :func:`deadline`.
+  ``STATEFULSET_STORAGE_RETRY_SECONDS`` of its first failure. A store that says it is overloaded
+  (503 SlowDown, 429, timeouts) is not failing but asking for fewer requests: those answers cut
+  the limit, and a request may meet ``OVERLOAD_TRIES`` times as many of them, within the same
+  time budget, while the process slows down to what the store serves. Each attempt
+  is bounded by the client's connect and read timeouts, and the whole call by :func:`deadline`.
 
 Both clients run here, in the event loop of the s3fs filesystem (fsspec's I/O thread): s3fs through
 its aiobotocore client, obstore through its awaitables, so that one limiter sees every request.
@@ -31,7 +34,21 @@ log = logging.getLogger("statefulset")
 
 # What a 412 answer looks like from each client (s3fs passes botocore's error code through).
 _CHANGED_NAMES = {"PreconditionError"}
-_CHANGED_TEXT = ("PreconditionFailed", "Precondition Failed", "412", "pre-conditions you specified did not hold")
+_CHANGED_TEXT = ("PreconditionFailed", "Precondition Failed", "pre-conditions you specified did not hold")
+
+
+OVERLOAD_TRIES = 4
+_OVERLOAD_NAMES = {"ConnectTimeoutError", "ReadTimeoutError", "ServerTimeoutError", "TimeoutError"}
+_OVERLOAD_TEXT = ("SlowDown", "reduce your request rate", "ServiceUnavailable", "Service Unavailable", "503",
+                  "TooManyRequests", "429", "timed out")  # fmt: skip
+
+
+def is_overload(exc: BaseException) -> bool:
+    """True for the answers of a store that serves fewer requests than it is sent: throttling, timeouts."""
+    if {cls.__name__ for cls in type(exc).__mro__} & _OVERLOAD_NAMES:
+        return True
+    text = f"{type(exc).__name__}: {exc}"
+    return any(t in text for t in _OVERLOAD_TEXT)
 
 
 def is_changed(exc: BaseException) -> bool:
@@ -65,7 +82,8 @@ async def _one(url: str, etag: str, get: Callable[[], Awaitable[bytes]], lim: An
                 raise changed_error(url, f"ETag {etag}") from exc
             now = time.monotonic()
             first_failure = first_failure if first_failure is not None else now
-            if not transient or attempt > retries or now - first_failure >= budget:
+            allowed = retries * OVERLOAD_TRIES if is_overload(exc) else retries
+            if not transient or attempt > allowed or now - first_failure >= budget:
                 raise describe(url, exc, attempt) from exc
             continue
         lim.release(epoch, failed=False)

@@ -31,6 +31,7 @@ from statefulset import settings
 
 log = logging.getLogger("statefulset")
 
+LOG_EVERY = 30.0  # seconds: the warning about cuts is logged at most this often per process
 FIRST_PAUSE = 0.05  # seconds: the shared pause after the first failure of a run of them
 MAX_PAUSE = 5.0  # seconds: the longest shared pause
 
@@ -47,6 +48,8 @@ class Limiter:
         self.failures_in_a_row = 0
         self.cuts = 0  # how many times the limit was cut (reported by benchmarks)
         self.lowest = self.limit
+        self._logged_at = -LOG_EVERY
+        self._cuts_logged = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     def _free(self) -> int:
@@ -87,12 +90,15 @@ class Limiter:
             pause = min(MAX_PAUSE, FIRST_PAUSE * 2**self.failures_in_a_row)
             self.failures_in_a_row += 1
             pause = random.uniform(pause / 2, pause)
-            self.pause_until = max(self.pause_until, time.monotonic() + pause)
-            log.warning(
-                "statefulset: the object store is failing transiently (%s): this process now keeps at most %d "
-                "requests in flight and pauses them all %.2f s",
-                cause, max(1, int(self.limit)), pause,
-            )  # fmt: skip
+            now = time.monotonic()
+            self.pause_until = max(self.pause_until, now + pause)
+            if now - self._logged_at >= LOG_EVERY:
+                log.warning(
+                    "statefulset: the object store is failing transiently (%s; %d cuts since the last report): this "
+                    "process slows down to at most %d requests in flight (lowest yet %d), pausing them all %.2f s",
+                    cause, self.cuts - self._cuts_logged, max(1, int(self.limit)), max(1, int(self.lowest)), pause,
+                )  # fmt: skip
+                self._logged_at, self._cuts_logged = now, self.cuts
         self._wake()
 
     def _wake(self) -> None:
