@@ -126,9 +126,9 @@ def main() -> None:
         "library": os.path.dirname(statefulset.__file__),
         "environment": environment(),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    from provenance import write_results
+
+    write_results("throttled_store", result, path=args.out)
     print(json.dumps(summary, indent=1))
 
 

@@ -57,6 +57,19 @@ SCRIPTS: dict[str, list[str]] = {
         "--results",
         "benchmarks/out/quick/bench_concurrent_open.json",
     ],
+    "bench_throttled_store.py": [
+        "--tokens",
+        "500000",
+        "--workers",
+        "0",
+        "2",
+        "--steps",
+        "5",
+        "--runs",
+        "1",
+        "--out",
+        "benchmarks/out/quick/throttled_store.json",
+    ],
     "quick_worker_throughput.py": ["--quick"],
 }
 # Modules that are not benchmarks: helpers, anchors run by a benchmark in another environment.
@@ -64,8 +77,6 @@ NOT_SCRIPTS = {
     "anchor_datatrove_tokenize.py", "anchor_olmo_packing.py", "benchenv.py", "corpus.py", "jsonl_corpus.py",
     "plots.py", "provenance.py", "report.py", "run_all.py", "campaign.py",
 }  # fmt: skip
-# Results files whose figures are quoted on another page than docs/benchmarks.md.
-RESULTS_ELSEWHERE = {"campaign.json": "docs/reliability.md"}
 
 
 def missing_requirement(script: str) -> str | None:
