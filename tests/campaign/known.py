@@ -32,11 +32,6 @@ KNOWN: list[Known] = [
         "a local .bin rewritten in place or renamed over while the loader runs: other tokens, no error",
         _silent("replace_inplace", "replace_rename"),
     ),
-    Known(
-        "issue 24 §1: identity and cache keys digest only the .idx (CONTRACT §14)",
-        "a state saved on a shard restores onto a re-tokenised .bin with the same .idx: other tokens, no error",
-        _silent("retokenised_bin"),
-    ),
 ]
 
 
