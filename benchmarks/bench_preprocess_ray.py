@@ -222,14 +222,17 @@ def render(results: dict, large: dict | None) -> str:
                 f"{w2['seconds']:.1f} s, `--executor ray` {ray['seconds']:.1f} s: Ray at "
                 f"{row['ray_over_workers_2']:.2f}x; outputs identical: {row['identical']}."]  # fmt: skip
     scale = results.get("scaling_bpe", {})
-    out += ["", "| BPE, 100k documents | s | docs/s | tokens/s | peak task memory |", "|---|---|---|---|---|"]
+    if scale:
+        out += ["", f"| BPE, {results['docs']:,} documents | s | docs/s | tokens/s | peak task memory |",
+                "|---|---|---|---|---|"]  # fmt: skip
     for key, r in scale.items():
         if key == "provenance":
             continue
         mem = f"{r['peak_task_mib']} MiB" if "peak_task_mib" in r else "-"
         out.append(f"| {key.replace('_', ' ')} | {r['seconds']:.1f} | {r['docs_per_s']:,.0f} | "
                    f"{r['tokens_per_s'] / 1e6:.2f}M | {mem} |")  # fmt: skip
-    out += ["", "| memory: input (bytes tokenizer, Ray) | input bytes | peak task memory |", "|---|---|---|"]
+    if results.get("memory"):
+        out += ["", "| memory: input (bytes tokenizer, Ray) | input bytes | peak task memory |", "|---|---|---|"]
     for key, r in results.get("memory", {}).items():
         if key == "provenance":
             continue
