@@ -159,6 +159,10 @@ def test_inspect_keeps_prefixes_and_mixes_them_with_specs(shards, tmp_path, caps
     code, out, _ = run(capsys, "inspect", shards[0], spec)
     assert code == 0
     assert out.startswith(f"{shards[0]}\n") and "valid: yes" in out  # the shard report, unchanged
-    assert f"{spec}: packing native" in out and "cache: not used" in out and "no weight (blended by size)" in out
+    assert (
+        f"{spec}: packing native" in out
+        and "(facts about shard versions only: packing native builds no index)" in out
+        and "no weight (blended by size)" in out
+    )
     code, out, err = run(capsys, "inspect", tmp_path / "missing.yaml")
     assert code == 2 and "no such spec file" in err

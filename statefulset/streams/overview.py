@@ -58,6 +58,8 @@ class SplitOverview:
     samples_per_epoch: int  # native: one pass over every source's windows; megatron: sum over sources
     cache: str | None
     sources: list[SourceOverview] = field(default_factory=list)
+    # A data schedule (train split of a spec with stages:): each stage's start and normalised weights.
+    stages: list[dict[str, Any]] = field(default_factory=list)
     seconds: float | None = None  # time the open took
     built: dict[str, int] = field(default_factory=dict)  # cache entries this open built, by kind
 
@@ -77,6 +79,10 @@ class SplitOverview:
             else:
                 how = "; indices loaded from the cache" if self.packing == "megatron" else " (nothing to build)"
             head.append(f"  opened in {self.seconds:.2f} s{how}")
+        for k, stage in enumerate(self.stages):
+            until = f" until {self.stages[k + 1]['start']:,}" if k + 1 < len(self.stages) else " on"
+            mix = ", ".join(f"{prefix} {w:.4f}" for prefix, w in stage["weights"].items())
+            head.append(f"  stage {k} (from {stage['start']:,}{until}): {mix}")
         for s in self.sources:
             head.append(f"  {s.prefix}")
             lo, hi = s.sequence_range
@@ -90,7 +96,10 @@ class SplitOverview:
                 head.append(f"    index built for {goal}: {s.samples:,} samples over {s.epochs} epoch(s){apart}")
             if s.epochs_at_num_samples is not None:
                 head.append(f"    num_samples {self.num_samples:,} passes over it {s.epochs_at_num_samples:.2f} times")
-            wanted = f"weight {s.weight:.4f}" if s.weight is not None else "no weight (blended by size)"
+            if self.stages:
+                wanted = "weights by stage (above)"
+            else:
+                wanted = f"weight {s.weight:.4f}" if s.weight is not None else "no weight (blended by size)"
             drawn = f" ({s.blend_samples:,} samples)" if s.blend_samples is not None else ""
             if len(self.sources) > 1:
                 head.append(f"    {wanted}, realised share {s.share:.4f}{drawn}")
@@ -173,12 +182,25 @@ def describe(stream: SampleStream) -> SplitOverview:
     if stream.packing in ("native", "bestfit") and num_samples is not None:
         for item in overview.sources:
             item.epochs_at_num_samples = num_samples * item.share / max(item.samples_per_epoch, 1)
+    if spec.stages is not None and stream.split == "train":
+        overview.stages = _stages(stream)
     overview.samples_per_epoch = sum(s.samples_per_epoch for s in overview.sources)
     overview.seconds, overview.built = stream.open_seconds, dict(stream.open_built)
     return overview
 
 
-def _logs_here() -> bool:
+def _stages(stream: Any) -> list[dict[str, Any]]:
+    """Each stage's start and its sources' normalised weights (a schedule's train stream)."""
+    out = []
+    for start, members, weights in zip(stream.starts.tolist(), stream.stage_sources, stream.stage_weights, strict=True):
+        total = sum(weights)
+        out.append(
+            {"start": start, "weights": {stream.prefixes[m]: w / total for m, w in zip(members, weights, strict=True)}}
+        )
+    return out
+
+
+def logs_here() -> bool:
     """Global rank 0 and not a loader worker: the one process of a job that logs what it opened."""
     torch = sys.modules.get("torch")
     if torch is None:
@@ -193,7 +215,7 @@ def _logs_here() -> bool:
 def record_open(stream: SampleStream, seconds: float, built: dict[str, int], where: str) -> None:
     """Keep how long the open took and what it built; log the split at INFO (sources, samples, epochs, shares)."""
     stream.open_seconds, stream.open_built = seconds, built
-    if not logger.isEnabledFor(logging.INFO) or not _logs_here():
+    if not logger.isEnabledFor(logging.INFO) or not logs_here():
         return
     if stream.packing not in ("megatron", "native", "bestfit"):  # a packing this module does not know yet
         logger.info("statefulset: %s: opened %r in %.2f s", where, stream, seconds)

@@ -106,7 +106,7 @@ def prepare(
         t, built_before = time.perf_counter(), dict(cache_builds)
         stream = open_stream(spec, split)
         built = {k: n - built_before.get(k, 0) for k, n in cache_builds.items() if n > built_before.get(k, 0)}
-        samples = "unbounded (native)" if stream.unbounded else f"{len(stream):,}"
+        samples = f"unbounded (packing {stream.packing})" if stream.unbounded else f"{len(stream):,}"
         report.splits[split] = {"samples": samples, "built": built, "seconds": time.perf_counter() - t}
     report.seconds["total"] = time.perf_counter() - started
     return report

@@ -61,10 +61,9 @@ class SpecPreview:
 
     def text(self) -> str:
         ratios = f", split {self.split_ratios}" if self.split_ratios is not None else ", per-split data"
-        if self.packing == "native":
-            cache = "not used (packing native builds no index)"
-        else:
-            cache = self.cache if self.cache is not None else "this node's default (path_to_cache is null)"
+        cache = self.cache if self.cache is not None else "this node's default (path_to_cache is null)"
+        if self.packing == "native":  # it still keeps facts about shard versions (facts/) there
+            cache += " (facts about shard versions only: packing native builds no index)"
         lines = [
             f"{self.spec}: packing {self.packing}, seq_length {self.seq_length}, seed {self.seed}{ratios}",
             f"  cache: {cache}",
