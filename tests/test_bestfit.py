@@ -110,7 +110,7 @@ def test_loss_mask_marks_real_labels_and_pad_id_is_kept(corpus, windows):
     root, _ = corpus
     ds = get_train_dataset(spec_for(root, pad_id=-7), batch_size=2, document_boundaries=True)
     padded = 0
-    for p in range(300):
+    for p in range(ds.stream.samples_per_epoch):  # an epoch holds every padded bin (few: best fit)
         sample = ds[p]
         text, mask = sample["text"], sample["loss_mask"]
         assert mask.dtype == numpy.float32 and mask.shape == (SEQ,)
@@ -186,8 +186,10 @@ def test_a_blend_draws_each_source_by_weight(corpus):
 
 def test_samples_per_epoch_is_for_one_source(corpus):
     root, _ = corpus
-    with pytest.raises(StatefulsetError, match=r"a blend's sources have epochs of their own"):
-        _ = open_stream(spec_for(root, data_path={str(root / "web"): 1, str(root / "code"): 1})).samples_per_epoch
+    blend = open_stream(spec_for(root, data_path={str(root / "web"): 1, str(root / "code"): 1}))
+    with pytest.raises(StatefulsetError, match=r"blends 2 sources, each with epochs of its own.*stream.epoch_sizes"):
+        _ = blend.samples_per_epoch
+    assert blend.epoch_sizes == {s.dataset.path_prefix: s.windows for s in blend.sources}
 
 
 # -- the packing itself ----------------------------------------------------------------------------

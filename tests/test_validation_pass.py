@@ -67,7 +67,9 @@ def test_the_interleave_is_even_by_size(shards):
 
 
 def test_the_val_loader_serves_whole_batches_of_one_pass(shards):
-    ds = get_val_dataset(_spec(shards, "native"), batch_size=4, worker_config=WorkerConfig(rank=0, world_size=1, num_workers=1))
+    ds = get_val_dataset(
+        _spec(shards, "native"), batch_size=4, worker_config=WorkerConfig(rank=0, world_size=1, num_workers=1)
+    )
     ids = numpy.concatenate([b["sample_id"].numpy() for b in get_loader(ds)])
     assert ids.tolist() == list(range(len(ds.stream) // 4 * 4))
 

@@ -11,6 +11,7 @@ replay), whatever the step.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgpack
@@ -34,6 +35,8 @@ from statefulset.loading.worker_config import WorkerConfig
 from statefulset.parallel.arrival import DEFAULT_TIMEOUT, check_timeout, meet
 from statefulset.parallel.exchange import gather_bytes, scatter_bytes
 
+_log = logging.getLogger("statefulset")
+
 
 def _options(
     prefetch_factor: int = 2,
@@ -56,27 +59,15 @@ def _options(
 
 
 class Loader:
-    """A non-savable loader (validation): every ``iter()`` is a fresh pass from the start.
-
-    With workers and ``persistent_workers=True`` (the default) every pass runs on the same
-    DataLoader, so the workers forked for the first pass serve the later ones too. One pass at a
-    time: a new ``iter()`` ends the one before (its iterator then raises if asked for more).
-    """
+    """A non-savable loader (validation): every ``iter()`` is a fresh pass from the start."""
 
     def __init__(self, dataset: StreamDataset, **options: Any) -> None:
         self.dataset = dataset
         self.worker_config = dataset.worker_config
         self._options = _options(**options)
-        self._last: Delivery | None = None
 
-    def __iter__(self) -> Delivery:
-        last, reuse = self._last, None
-        if last is not None and last.workers and self._options["persistent_workers"]:
-            last.superseded = True
-            if not last.restarted:  # a pass that started its workers again began mid-way: not reusable
-                reuse = (last.loader, last.source, last.iterator)
-        self._last = Delivery(self.dataset, self.dataset.layout(), self._options, reuse)
-        return self._last
+    def __iter__(self):
+        return Delivery(self.dataset, self.dataset.layout(), self._options)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -141,10 +132,19 @@ class SavableLoader:
         self._taken = 0
 
     def restore_state_rank(self, state: dict[str, Any] | None) -> None:
-        """Continue exactly after the last batch the saving loader handed out. ``None`` does nothing."""
-        if state is None:
-            return
+        """Continue exactly after the last batch the saving loader handed out.
+
+        ``None`` means no state (Energon's meaning): a fresh start from sample 0, logged at WARNING
+        with the rank, since a checkpoint that lost its loader state would otherwise retrain silently.
+        """
         wc, stream = self.worker_config, self.dataset.stream
+        if state is None:
+            _log.warning(
+                "restore_state_rank(None) on DP rank %d: no loader state, so this rank starts from sample 0 "
+                "(the first batch of the stream)",
+                wc.rank,
+            )
+            return
         self._restore(
             fit_rank_state(
                 state,

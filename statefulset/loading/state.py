@@ -25,6 +25,7 @@ import numpy
 
 from statefulset.errors import StatefulsetError
 from statefulset.shards.digests import changed_shards
+from statefulset.streams.members import differences, well_formed
 
 logger = logging.getLogger("statefulset")
 
@@ -47,6 +48,9 @@ _IDENTITY_KEYS = {
 # digits per source, statefulset.shards.digests.shard_checks) names the shards that changed when
 # a restore is refused: in every state of version 2, in none of version 1.
 _OPTIONAL_IDENTITY_KEYS = {"pad_id": int, "bestfit": int, "stages": list, "shards": str}
+# Present while few: the sources behind "data" / each stage, so that a refusal can say which weight
+# or range differs (statefulset.streams.members); descriptive only, never compared on their own.
+_DESCRIPTIVE_KEYS = {"members": False, "stage_members": True}
 _MAX_SHARDS_TEXT = 1024
 _MAX_STAGES = 100  # a state travels in a fixed 4 KiB slot (statefulset.parallel.exchange)
 _INT_KEYS = ("dp_rank", "dp_size", "batch_size", "base", "batches", "num_workers")
@@ -124,9 +128,8 @@ def check_state(state: Any, where: str = "state") -> dict[str, Any]:
     if cursor.consumed + cursor.dp_size * cursor.batch_size >= _MAX_POSITION:
         raise StatefulsetError(f"{where}: position {cursor.consumed} is out of range")
     identity = state["identity"]
-    if not isinstance(identity, dict) or not set(_IDENTITY_KEYS) <= set(identity) <= set(_IDENTITY_KEYS) | set(
-        _OPTIONAL_IDENTITY_KEYS
-    ):
+    allowed = set(_IDENTITY_KEYS) | set(_OPTIONAL_IDENTITY_KEYS) | set(_DESCRIPTIVE_KEYS)
+    if not isinstance(identity, dict) or not set(_IDENTITY_KEYS) <= set(identity) <= allowed:
         raise StatefulsetError(
             f"{where}: field 'identity' must hold {sorted(_IDENTITY_KEYS)} (and may hold "
             f"{sorted(_OPTIONAL_IDENTITY_KEYS)})"
@@ -139,6 +142,9 @@ def check_state(state: Any, where: str = "state") -> dict[str, Any]:
             raise StatefulsetError(f"{where}: field 'identity.{key}' has the wrong type ({type(value).__name__})")
     if "stages" in identity:
         _check_stages(identity["stages"], where)
+    for key, nested in _DESCRIPTIVE_KEYS.items():
+        if key in identity and not well_formed(identity[key], nested):
+            raise StatefulsetError(f"{where}: field 'identity.{key}' must list [digest, first, stop, weight] entries")
     if ("shards" in identity) != (version >= 2):
         raise StatefulsetError(f"{where}: field 'identity.shards' is {'missing' if version >= 2 else 'unknown'} in a "
                                f"state of version {version}")  # fmt: skip
@@ -178,7 +184,7 @@ def check_identity(
     legacy_data: str | None = None,
     warn: bool = True,
 ) -> None:
-    """Refuse a state taken on other data, naming every field that differs (and the shards, where known).
+    """Refuse a state taken on other data, naming every field that differs, and in words which source did.
 
     A data schedule's stages are compared only as far as the past goes: the stages that began
     before the state's position must be the same; later ones may be added, changed or removed.
@@ -199,28 +205,71 @@ def check_identity(
                 "files only: restoring it without checking that the .bin files hold the tokens it was saved on",
                 where,
             )  # fmt: skip
+    # This stream's sources by content digest (members are listed in the order of ``sources``).
+    names = {m[0]: prefix for m, prefix in zip(identity.get("members") or [], sources, strict=False)}
+    words = _Words(saved, identity, named, legacy, names)
+    problems = []
     if ("stages" in saved) != ("stages" in identity):
         differs.append("stages")
     elif "stages" in saved:
-        _check_past_stages(saved["stages"], identity["stages"], cursor_of(state).consumed, where, named, legacy)
+        problem = _past_stages_problem(saved["stages"], identity["stages"], cursor_of(state).consumed, words)
+        if problem:
+            problems.append(problem)
     if differs:
-        details = "; ".join(
-            f"{key}: state has {saved.get(key)!r}, this loader {identity.get(key)!r}"
-            if key != "data"
-            else "data: the shards, their split ranges or weights differ" + (f" ({named})" if named else "")
-            for key in differs
+        details = "; ".join(words.field(key) for key in differs)
+        problems.insert(0, f"the state does not fit this dataset ({details})")
+    if problems:
+        raise StatefulsetError(f"{where}: " + "; and ".join(problems))
+
+
+@dataclass(frozen=True)
+class _Words:
+    """What a refusal can say about two identities."""
+
+    saved: dict[str, Any]
+    identity: dict[str, Any]
+    named: str  # the shards whose content changed, where "shards" tells
+    legacy: bool  # the state was saved by statefulset 0.1.0
+    names: dict[str, str]
+
+    def field(self, key: str) -> str:
+        saved, identity = self.saved, self.identity
+        if key == "stages":
+            if "stages" in saved:
+                return "stages: the state was saved on a data schedule, this spec has none"
+            why = "this spec is a data schedule, the state's was not"
+            if self.legacy:
+                why += (" (statefulset 0.1.0 read a plain data_path of packing native or bestfit differently; this "
+                        "version reads it as the one-stage schedule, whose source orders differ: "
+                        "restore_consumed_samples starts at the state's position)")  # fmt: skip
+            return f"stages: {why}"
+        if key != "data":
+            return f"{key}: state has {saved.get(key)!r}, this loader {identity.get(key)!r}"
+        said = self.members(saved.get("members"), identity.get("members"))
+        return (
+            "data: "
+            + (said or "the shards, their split ranges or weights differ")
+            + (f" ({self.named})" if self.named else "")
         )
-        raise StatefulsetError(f"{where}: the state does not fit this dataset ({details})")
+
+    def members(self, before: Any, after: Any) -> str:
+        if before is None or after is None:
+            return ""
+        return differences(before, after, self.names)
+
+    def stage(self, k: int) -> str:
+        before, after = self.saved.get("stage_members"), self.identity.get("stage_members")
+        if before is None or after is None or k >= len(before) or k >= len(after):
+            return ""
+        return self.members(before[k], after[k])
 
 
-def _check_past_stages(
-    saved: list[Any], current: list[Any], position: int, where: str, named: str, legacy: bool
-) -> None:
-    """The stages that began before ``position`` must be identical in both schedules."""
+def _past_stages_problem(saved: list[Any], current: list[Any], position: int, words: _Words) -> str | None:
+    """What differs in the stages that began before ``position`` (they must be identical), or None."""
     past = [list(entry) for entry in saved if entry[0] < position]
     now = [list(entry) for entry in current if entry[0] < position]
     if past == now:
-        return
+        return None
     k = next(i for i in range(max(len(past), len(now))) if i >= len(past) or i >= len(now) or past[i] != now[i])
     if k >= len(now):
         what = f"stage {k} (start {past[k][0]}) is gone"
@@ -229,14 +278,16 @@ def _check_past_stages(
     elif past[k][0] != now[k][0]:
         what = f"stage {k} starts at {now[k][0]}, the state's at {past[k][0]}"
     else:
-        what = f"stage {k} (start {now[k][0]}) reads other sources or weights" + (f" ({named})" if named else "")
-        if legacy:
+        what = f"stage {k} (start {now[k][0]}) reads other sources or weights"
+        said = words.stage(k)
+        what += (f": {said}" if said else "") + (f" ({words.named})" if words.named else "")
+        if words.legacy:
             what += (
                 " (or the state was saved by statefulset 0.1.0, which keyed a schedule's sources by their .idx alone:"
                 " its source orders cannot be continued exactly; restore_consumed_samples starts at its position)"
             )
-    raise StatefulsetError(
-        f"{where}: the state was saved at position {position}, and the stages that began before it must stay as "
+    return (
+        f"the state was saved at position {position}, and the stages that began before it must stay as "
         f"they were: {what}. Change the mixture from a position at or after {position} with a new stage instead"
     )
 

@@ -211,8 +211,11 @@ class DatasetSpec(BaseModel):
         return f"{split}.num_samples" if section is not None and section.num_samples is not None else "num_samples"
 
     def stage_blends(self) -> list[tuple[int, Blend]]:
-        """``(start, blend)`` of every stage (a weight of None, one prefix alone, counts as 1)."""
-        return [(stage.start, list(stage.data_path)) for stage in self.stages or []]
+        """``(start, blend)`` of every stage; a plain ``data_path`` is the one stage ``(0, data_path)``
+        (CONTRACT §12). A weight of None means "by size" (one prefix alone: all of it)."""
+        if self.stages is None:
+            return [(0, list(self.data_path))] if self.data_path is not None else []
+        return [(stage.start, list(stage.data_path)) for stage in self.stages]
 
     def blend_for(self, split: str) -> tuple[Blend, int | None] | None:
         """(prefixes with weights, num_samples) for a split, or None when the split is empty.

@@ -18,7 +18,6 @@ import numpy
 from statefulset.errors import SequenceIndexError, StatefulsetError
 from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.one_pass import OnePassBlend
-from statefulset.shards.faults import changed_error
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.documents import Pieces, merge_pieces
@@ -29,15 +28,6 @@ EXTRA = 1
 # Batches up to this many samples are planned on Python ints, larger gathers with numpy.
 _LIST_PLAN_MAX_SAMPLES = 64
 _THIS_AND_NEXT = numpy.array([0, 1], dtype=numpy.int64)
-
-
-def reopen_pinned(reopen: Any, spec: DatasetSpec, split: str, pins: list[tuple[str, str]]) -> SampleStream:
-    """The stream reopened in another process, refused when a ``.bin`` is not the version the first opened."""
-    stream = reopen(spec, split)
-    for (path, opened), dataset in zip(pins, stream.shards, strict=True):
-        if dataset.bin_version != opened:
-            raise changed_error(path, opened, dataset.bin_version)
-    return stream
 
 
 class SampleStream:
@@ -69,24 +59,14 @@ class SampleStream:
         # the order of identity["shards"]; and "data" as statefulset 0.1.0 computed it (.idx only).
         self.source_prefixes: list[str] = []
         self.legacy_data: str | None = None
-        # The shards read, set by streams.opening: a worker (forked or reopened) checks that each
-        # .bin is still the version opened here, so that no batch mixes tokens of two versions.
-        self.shards: list[IndexedDataset] = []
 
     def __len__(self) -> int:
         return self._length
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Workers started with spawn/forkserver reopen the stream (cached indices are mmapped)
-        # instead of receiving pickled index arrays, and check they reopened the same .bin versions.
-        pins = [(d.path_prefix + ".bin", d.bin_version) for d in self.shards]
-        return (reopen_pinned, (self.reopen, self.spec, self.split, pins))
-
-    def check_unchanged(self) -> None:
-        """A StatefulsetError naming the first ``.bin`` replaced or rewritten since this stream opened it
-        (a ``stat`` per local shard; S3 objects are checked by every read instead)."""
-        for dataset in self.shards:
-            dataset.check_unchanged()
+        # instead of receiving pickled index arrays.
+        return (self.reopen, (self.spec, self.split))
 
     def __getitem__(self, position: int) -> dict[str, Any]:
         try:
@@ -164,6 +144,21 @@ def _fill_by_source(
     return merge_pieces(out.shape[0], parts) if want else None
 
 
+def epoch_sizes(sources: list[Any]) -> dict[str, int]:
+    """Samples in one epoch of each source (packing native and bestfit), by prefix."""
+    return {s.dataset.path_prefix: int(s.windows) for s in sources}
+
+
+def samples_per_epoch(sources: list[Any]) -> int:
+    """The only source's samples per epoch; a blend's sources each have their own (``epoch_sizes``)."""
+    if len(sources) != 1:
+        raise StatefulsetError(
+            f"samples_per_epoch: this stream blends {len(sources)} sources, each with epochs of its own; "
+            "read each source's from stream.epoch_sizes (prefix -> samples per epoch)"
+        )
+    return int(sources[0].windows)
+
+
 class BlendedStream(SampleStream):
     """Sources whose local samples cover every ``p >= 0`` (each with ``windows`` samples per epoch and a
     filler), blended position by position by the native blend tree: packing native and bestfit.
@@ -174,7 +169,14 @@ class BlendedStream(SampleStream):
     """
 
     def __init__(
-        self, spec, split, identity, sources: list[Any], fillers: list[Any], weights: list[float], one_pass: bool = False
+        self,
+        spec,
+        split,
+        identity,
+        sources: list[Any],
+        fillers: list[Any],
+        weights: list[float],
+        one_pass: bool = False,
     ):
         super().__init__(spec, split, identity, sum(s.windows for s in sources), unbounded=not one_pass)
         self.sources = sources
@@ -196,11 +198,14 @@ class BlendedStream(SampleStream):
         return {s.dataset.path_prefix: int(c) for s, c in zip(self.sources, counts, strict=True)}
 
     @property
+    def epoch_sizes(self) -> dict[str, int]:
+        """Samples in one epoch of each source, by prefix."""
+        return epoch_sizes(self.sources)
+
+    @property
     def samples_per_epoch(self) -> int:
         """Samples in one epoch of the spec's only source (epoch e is positions [e*n, (e+1)*n))."""
-        if len(self.sources) != 1:
-            raise StatefulsetError("samples_per_epoch: a blend's sources have epochs of their own")
-        return self.sources[0].windows
+        return samples_per_epoch(self.sources)
 
     def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
         if self.schedule is None:

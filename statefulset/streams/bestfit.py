@@ -8,6 +8,7 @@ the shape of a native one: every ``p >= 0`` is a sample, a restore is a seek.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy
@@ -19,6 +20,12 @@ from statefulset.spec.model import DatasetSpec
 from statefulset.spec.splits import SPLITS
 from statefulset.streams.base import BlendedStream, OpenedSources
 from statefulset.streams.documents import Pieces
+from statefulset.streams.overview import logs_here
+
+logger = logging.getLogger("statefulset")
+# Above this share of padding a bestfit source is worth a WARNING: its documents are mostly much
+# shorter than a sample, which best fit cannot fix (a sample holds what fits, the rest is pad_id).
+PADDING_WARNING = 0.25
 
 DEFAULT_PAD_ID = -1
 BESTFIT_VERSION = 1  # of the dealing and packing rules: part of every cache key and fingerprint
@@ -102,7 +109,21 @@ def bestfit_sources(spec: DatasetSpec, split: str, opened: OpenedSources, keys: 
             index = cache.get_or_build("BestFitIndex", description, build)
         with spec.blame(spec.data_key(split)):
             sources.append(BestFitSource(dataset, (lo, hi), spec.seq_length, key, window, index))
+        _warn_padding(sources[-1], last - first, hi - lo, capacity, split)
     return sources
+
+
+def _warn_padding(source: BestFitSource, tokens: int, sequences: int, capacity: int, split: str) -> None:
+    """A WARNING (rank 0, not in workers) when a source's samples are mostly padding."""
+    slots = source.samples_per_epoch * capacity
+    padding = 1 - tokens / slots if slots else 0.0
+    if padding <= PADDING_WARNING or not logs_here():
+        return
+    logger.warning(
+        "statefulset: packing bestfit: %s (%s split) is %.1f%% padding: its %d sequences average %.0f tokens "
+        "while a sample holds seq_length + 1 = %d; lower seq_length, or use packing native (no padding)",
+        source.dataset.path_prefix, split, 100 * padding, sequences, tokens / max(sequences, 1), capacity,
+    )  # fmt: skip
 
 
 def open_bestfit(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> BestFitStream:

@@ -28,6 +28,7 @@ from statefulset.spec.splits import SPLITS, parse_split, split_matrix, split_ran
 from statefulset.streams.base import OpenedSources, SampleStream
 from statefulset.streams.bestfit import open_bestfit
 from statefulset.streams.megatron import open_megatron
+from statefulset.streams.members import members_of, trim
 from statefulset.streams.native import open_native
 from statefulset.streams.overview import record_open
 from statefulset.streams.stages import open_staged
@@ -113,15 +114,26 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         "seed": spec.seed,
         "num_samples": num_samples if spec.packing == "megatron" else None,
     }
+    # A plain data_path is the one-stage schedule (CONTRACT §12): the same stream, so a state saved
+    # on it restores into a schedule that begins with it and a run can be annealed later. A
+    # schedule's weights live in its stages, so its sources are described without them.
+    scheduled = split == "train" and (
+        spec.stages is not None or (spec.data_path is not None and spec.packing in ("native", "bestfit"))
+    )
+    described_live = [(prefix, None) for prefix, _ in live] if scheduled else live
     identity["data"] = _sources_digest([{"digest": d.content} for d in found], ranges, live)
     # Per source, a few hex digits of its .idx/range/weight and of its .bin: what lets a refused
     # restore name the shard that changed (identity["data"] is what decides).
     described = [
-        _sources_digest([{"idx_digest": d.idx}], [r], [x]) for d, r, x in zip(found, ranges, live, strict=True)
+        _sources_digest([{"idx_digest": d.idx}], [r], [x])
+        for d, r, x in zip(found, ranges, described_live, strict=True)
     ]
     identity["shards"] = shard_checks(described, [d.bin for d in found])
+    # So that a refusal can say which weight or range differs (streams.members), while small.
+    identity["members"] = members_of(digests, ranges, [w for _, w in described_live])
+    trim(identity)
     opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests, cache_root)
-    if spec.stages is not None and split == "train":
+    if scheduled:
         stream: SampleStream = open_staged(spec, split, identity, opened)
     elif spec.packing == "native":
         stream = open_native(spec, split, identity, opened)
@@ -140,7 +152,6 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     # What "data" was before identities covered the .bin (statefulset 0.1.0): such states restore
     # when their .idx, ranges and weights match (statefulset.loading.state.check_identity).
     stream.legacy_data = _sources_digest([{"idx_digest": d.idx} for d in found], ranges, live)
-    stream.shards = list(datasets)
     return stream
 
 

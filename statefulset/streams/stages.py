@@ -26,9 +26,10 @@ from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.keys import derive_key
 from statefulset.index.native.windows import WindowSource
 from statefulset.spec.splits import SPLITS
-from statefulset.streams.base import OpenedSources, SampleStream, _fill_by_source
+from statefulset.streams.base import OpenedSources, SampleStream, _fill_by_source, epoch_sizes, samples_per_epoch
 from statefulset.streams.bestfit import BESTFIT_VERSION, _BinFiller, bestfit_sources, check_pad_id
 from statefulset.streams.documents import Pieces
+from statefulset.streams.members import members_of, trim
 from statefulset.streams.native import _WindowFiller
 
 
@@ -85,6 +86,16 @@ class StagedStream(SampleStream):
         for s, w in zip(self.stage_sources[-1], self.stage_weights[-1], strict=True):
             out[s] = w
         return out
+
+    @property
+    def epoch_sizes(self) -> dict[str, int]:
+        """Samples in one epoch of each source, by prefix."""
+        return epoch_sizes(self.sources)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples in one epoch of the only source (epoch e is positions [e*n, (e+1)*n) when one stage reads it)."""
+        return samples_per_epoch(self.sources)
 
     def _stage_counts(self, k: int, n: int) -> numpy.ndarray:
         """Draws of every source among the first ``n`` positions of stage ``k``."""
@@ -156,17 +167,24 @@ def open_staged(spec: Any, split: str, identity: dict[str, Any], opened: OpenedS
             ]
         fillers = [_WindowFiller(s) for s in sources]
     where = {prefix: i for i, prefix in enumerate(prefixes)}
-    stages, digests = [], []
+    stages, digests, described = [], [], []
     for start, blend in spec.stage_blends():
-        members = [(where[prefix], 1.0 if weight is None else float(weight)) for prefix, weight in blend]
+        # No weight: blended by size (each source's samples per epoch), as a plain data_path is.
+        members = [
+            (where[prefix], float(sources[where[prefix]].windows) if weight is None else float(weight))
+            for prefix, weight in blend
+        ]
         stages.append((start, members))
-        described = [(opened.digests[s], opened.ranges[s], w) for s, w in members]
-        digests.append([start, stage_digest(start, described)])
+        parts = [(opened.digests[s], opened.ranges[s], w) for s, w in members]
+        digests.append([start, stage_digest(start, parts)])
+        described.append(members_of(*(list(column) for column in zip(*parts, strict=True))))
     # The past depends on the stages that began before a position, never on later ones: the
     # fingerprint leaves the sources out ("data") and the restore compares the stages that began
     # before the saved position (statefulset.loading.state).
     identity["data"] = "stages"
     identity["stages"] = digests
+    identity["stage_members"] = described  # so that a refusal can say which source differs, while small
+    trim(identity)
     stream = StagedStream(spec, split, identity, sources, fillers, prefixes, stages, padded=pad_id is not None)
     stream.pad_id = pad_id  # type: ignore[attr-defined]
     return stream

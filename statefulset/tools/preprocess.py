@@ -469,11 +469,15 @@ def preprocess(
             result.documents += encoded.documents
             progress.update(encoded.documents, tokens, encoded.nbytes)
     except BaseException:
-        progress.close(completed=False)
-        locations.discard_all(writers, staged)
+        for key, writer in writers.items():
+            writer.abort()
+            staged[key].discard()
         raise
-    progress.close()
-    locations.publish_all(writers, staged)
+    finally:
+        progress.close()
+    for key, writer in writers.items():
+        writer.close()
+        staged[key].publish()
     result.input_bytes = progress.bytes
     result.seconds = progress.seconds
     return result
