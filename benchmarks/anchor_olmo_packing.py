@@ -26,11 +26,12 @@ def main() -> None:
     lengths = numpy.load(lengths_path).astype(numpy.int64)
     ends = numpy.cumsum(lengths)
     starts = ends - lengths
-    pieces, dropped = [], 0
+    pieces, dropped, fitting = [], 0, []
     for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
         if end == start:
             continue
         if end - start <= capacity:
+            fitting.append(len(pieces))
             pieces.append((start, end))
         elif strategy == "truncate":  # iter_document_indices_with_max_sequence_length's two strategies
             pieces.append((start, start + capacity))
@@ -42,6 +43,10 @@ def main() -> None:
     instances, _, total_tokens = InstancePacker(capacity).pack_documents(indices)
     seconds = time.perf_counter() - began
     slots = len(instances) * capacity
+    # Read from the packer's output: a fitting document is cut when its piece is not in exactly one instance.
+    placed = numpy.bincount(numpy.fromiter((i for inst in instances for i in inst), dtype=numpy.int64),
+                            minlength=len(pieces))  # fmt: skip
+    fitting_cut = int((placed[numpy.asarray(fitting, dtype=numpy.int64)] != 1).sum())
     result = {
         "olmo_core_version": version("ai2-olmo-core"),
         "routine": "olmo_core.data.utils.InstancePacker.pack_documents",
@@ -51,6 +56,8 @@ def main() -> None:
         "tokens_kept": int(total_tokens),
         "padding_fraction": (slots - int(total_tokens)) / slots,
         "tokens_dropped": dropped,
+        "fitting_documents": len(fitting),
+        "fitting_documents_cut": fitting_cut,
         "documents_cut": int(((lengths > capacity) & (strategy == "fragment")).sum()),
         "seconds": seconds,
     }

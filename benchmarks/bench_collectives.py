@@ -102,7 +102,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="2 and 4 ranks, 5 calls")
     args = parser.parse_args()
+    if args.quick:
+        args.worlds, args.calls = [2, 4], 5
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
         for world in args.worlds:
@@ -126,8 +129,9 @@ def main() -> None:
             f"| {world:,} | {b['ours_save_root']:,.0f} / {b['ours_restore_each']:,.0f} / {b['ours_total']:,.0f} | "
             f"{b['objects_restore_each']:,.0f} / {b['objects_total']:,.0f} |"
         )
-    with open(os.path.join(HERE, "results", "bench_collectives.json"), "w") as f:
-        json.dump({"rows": rows, "calls": args.calls}, f, indent=2)
+    from provenance import write_results
+
+    write_results("bench_collectives", {"rows": rows, "calls": args.calls}, quick=args.quick)
 
 
 if __name__ == "__main__":

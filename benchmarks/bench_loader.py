@@ -67,7 +67,7 @@ from typing import Any
 from bench_read import find_or_write_shard, warm
 from benchenv import busy_cpu_s, environment, environment_markdown, git_state, load_average, spread, wait_for_quiet
 from corpus import OUT_DIR, add_docs_argument
-from plots import add_plot_argument, publish_result
+from plots import add_plot_argument, apply_quick, publish_result
 
 SEQ_LENGTH = 2048
 SEED = 1234
@@ -687,6 +687,10 @@ def main() -> None:
     add_plot_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    apply_quick(
+        args, "bench_loader", docs=20_000, num_samples=50_000, early=10, late=300,
+        repeats=1, repeats_throughput=1, seconds=1.0, max_wait=1.0, retries=0,
+    )  # fmt: skip
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))))
         return
@@ -741,7 +745,7 @@ def main() -> None:
     with open(os.path.join(out_dir, "bench_loader.md"), "w") as f:
         f.write(text)
     print(text)
-    publish_result("bench_loader", result, not args.no_plot)
+    publish_result("bench_loader", result, not args.no_plot, quick=args.quick)
 
 
 def pool(paths: list[str], out_dir: str) -> None:

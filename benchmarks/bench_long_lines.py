@@ -11,7 +11,6 @@ reader does). Run it with ``PYTHONPATH`` at another checkout to time that checko
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -27,7 +26,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--line-mib", type=int, default=128)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_long_lines.json"))
+    parser.add_argument("--quick", action="store_true", help="smoke run (an 8 MiB line); to benchmarks/out/quick")
     args = parser.parse_args()
+    if args.quick:
+        args.line_mib = 8
+        args.out = os.path.join(HERE, "out", "quick", "bench_long_lines.json")
 
     from benchenv import environment, git_state
 
@@ -50,9 +53,9 @@ def main() -> None:
     where = os.path.dirname(os.path.dirname(os.path.abspath(statefulset.__file__)))
     result = {"environment": environment(), "git": git_state(), "statefulset_from": where, "rows": rows}
     if where == os.path.dirname(HERE):
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        from provenance import write_results
+
+        write_results("bench_long_lines", result, path=args.out, quick=args.quick)
     print(f"one {args.line_mib} MiB JSON line, statefulset from {where}\n")
     print("| reader | s | vs readline |")
     print("|---|---|---|")

@@ -14,7 +14,6 @@ and the local disk needed are what carries over).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -53,7 +52,11 @@ def main() -> None:
     parser.add_argument("--parts", type=int, default=40)
     parser.add_argument("--part-mib", type=float, default=16.0)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_object_assembly.json"))
+    parser.add_argument("--quick", action="store_true", help="smoke run (4 parts of 5 MiB); to benchmarks/out/quick")
     args = parser.parse_args()
+    if args.quick:
+        args.parts, args.part_mib = 4, 5.0
+        args.out = os.path.join(HERE, "out", "quick", "bench_object_assembly.json")
 
     import s3fs
     from benchenv import environment, git_state, load_average
@@ -81,9 +84,9 @@ def main() -> None:
         same = fs.cat_file("bench/store.bin") == fs.cat_file("bench/driver.bin")
     result = {"environment": environment(), "git": git_state(), "load": load_average(), "parts": args.parts,
               "part_bytes": size, "identical": same, "rows": rows}  # fmt: skip
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    from provenance import write_results
+
+    write_results("bench_object_assembly", result, extra=("moto", "s3fs", "boto3"), path=args.out, quick=args.quick)
     print(f"{args.parts} parts of {args.part_mib:g} MiB ({total / 2**20:,.0f} MiB), moto on loopback; "
           f"outputs identical: {same}\n")  # fmt: skip
     print("| merge | s | MiB through the driver | local disk MiB |")

@@ -17,6 +17,11 @@ Then: opening a bestfit stream with its bins cached and seeking far (a restore),
 assembly (B=8, in process) with and without ``document_boundaries``.
 
     python benchmarks/bench_packing.py --olmo-python /path/to/venv-olmo/bin/python
+    python benchmarks/bench_packing.py --window-samples 8192   # a corpus of several bestfit windows
+    python benchmarks/bench_packing.py --quick                  # smoke run (several windows)
+
+"bestfit, whole source at once" is best-fit decreasing over every document of the source in one
+window: what the windowed packing is compared with.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ def concat_cuts(order_lengths: numpy.ndarray, total_windows: int) -> tuple[float
 
 
 def bestfit_figures(stream) -> dict:
+    """Padding, cut and dropped shares of a bestfit stream, every one read from its stored index."""
     source = stream.sources[0]
     lengths = source.dataset.sequence_lengths.astype(numpy.int64)
     n = source.samples_per_epoch
@@ -87,14 +93,28 @@ def bestfit_figures(stream) -> dict:
     sequences = source.sequence_range[0] + source._deal(ranks)
     pieces_of = numpy.bincount(sequences, minlength=lengths.size)
     fits = (lengths > 0) & (lengths <= CAPACITY)
-    assert int((pieces_of[fits] != 1).sum()) == 0
+    # Tokens the epoch's bins hold, bin by bin as a sample reads them: what is not held is dropped.
+    held = sum(int(source.bin_items(b)[2].sum()) for b in range(n))
     return {
         "samples": n,
-        "padding": 1 - tokens / (n * CAPACITY),
+        "padding": 1 - held / (n * CAPACITY),
         "cut": float((fits & (pieces_of > 1)).sum() / fits.sum()),
-        "dropped": 0.0,
+        "dropped": (tokens - held) / tokens,
+        "from_outputs": True,
         "window_documents": source.window,
+        "windows": int(source.bins.size),
     }
+
+
+def whole_source_figures(lengths: numpy.ndarray) -> dict:
+    """Best-fit decreasing over the whole source at once (one window): the padding windows are judged against."""
+    from statefulset.index.bestfit.packing import count_bins, split_documents
+
+    full, rest = split_documents(lengths, CAPACITY)
+    rest = rest[rest > 0]
+    samples = int(full.sum()) + int(count_bins(rest, max(1, rest.size), CAPACITY)[0])
+    return {"samples": samples, "padding": 1 - float(lengths.sum()) / (samples * CAPACITY), "cut": 0.0,
+            "dropped": 0.0, "windows": 1, "from_outputs": True}  # fmt: skip
 
 
 def olmo_figures(olmo_python: str, lengths: numpy.ndarray, strategy: str, folder: str) -> dict | None:
@@ -111,7 +131,8 @@ def olmo_figures(olmo_python: str, lengths: numpy.ndarray, strategy: str, folder
     return {
         "samples": got["instances"],
         "padding": got["padding_fraction"],
-        "cut": 0.0,  # OLMo-core packs fitting documents whole too
+        "cut": got["fitting_documents_cut"] / got["fitting_documents"],  # read from its instances
+        "from_outputs": True,
         "long_documents_cut": got["documents_cut"],
         "dropped": got["tokens_dropped"] / float(lengths.sum()),
         "seconds": got["seconds"],
@@ -124,7 +145,9 @@ def assembly(spec: dict, batches: int, repeats: int) -> dict:
     """Tokens/s of batch assembly (B=8, random positions, warm page cache), without and with boundaries.
 
     In process (``gather_fields``, what a worker runs per batch) and through a loader with two
-    workers (what the trainer receives), best of ``repeats``.
+    workers (what the trainer receives); median and spread of ``repeats`` passes (the variants
+    run one after another, not alternated: this is the in-run cost of boundaries, not a ratio
+    to an anchor).
     """
     out: dict = {}
     stream = open_stream(spec)
@@ -134,15 +157,15 @@ def assembly(spec: dict, batches: int, repeats: int) -> dict:
     for boundaries in (False, True):
         for p in plans[:20]:
             gather_fields(stream, p, boundaries)  # warm the page cache and the memo
-        best = float("inf")
+        seconds = []
         for _ in range(repeats):
             began = time.perf_counter()
             for p in plans:
                 gather_fields(stream, p, boundaries)
-            best = min(best, time.perf_counter() - began)
-        out["in process, with" if boundaries else "in process, without"] = batches * 8 * SEQ / best
+            seconds.append(time.perf_counter() - began)
+        out["in process, with" if boundaries else "in process, without"] = rates(batches, seconds)
         wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
-        best = float("inf")
+        seconds = []
         for _ in range(repeats):
             loader = get_savable_loader(get_train_dataset(spec, batch_size=8, worker_config=wc,
                                                           document_boundaries=boundaries))  # fmt: skip
@@ -151,12 +174,19 @@ def assembly(spec: dict, batches: int, repeats: int) -> dict:
             began = time.perf_counter()
             for _, _batch in zip(range(batches), iterator, strict=False):
                 pass
-            best = min(best, time.perf_counter() - began)
+            seconds.append(time.perf_counter() - began)
             del iterator, loader
-        out["2 workers, with" if boundaries else "2 workers, without"] = batches * 8 * SEQ / best
+        out["2 workers, with" if boundaries else "2 workers, without"] = rates(batches, seconds)
     for where in ("in process", "2 workers"):
-        out[f"{where}, slowdown"] = out[f"{where}, without"] / out[f"{where}, with"] - 1
+        out[f"{where}, slowdown"] = out[f"{where}, without"]["median"] / out[f"{where}, with"]["median"] - 1
     return out
+
+
+def rates(batches: int, seconds: list[float]) -> dict:
+    """Tokens/s of each pass: median and spread."""
+    from provenance import summary
+
+    return summary([batches * 8 * SEQ / s for s in seconds])
 
 
 def seek(spec: dict) -> dict:
@@ -207,6 +237,14 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=200_000)
     parser.add_argument("--olmo-python", default=os.environ.get("OLMO_PYTHON", ""))
     parser.add_argument("--batches", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=5, help="passes per batch-assembly row (median, spread)")
+    parser.add_argument(
+        "--window-samples", type=int, default=0,
+        help="samples' worth of documents per bestfit window (default: the library's; lower it for a corpus of "
+             "several windows, e.g. 8192 gives ~8 windows at 200,000 documents)",
+    )  # fmt: skip
+    parser.add_argument("--no-assembly", action="store_true", help="padding, cut and dropped shares only (no timing)")
+    parser.add_argument("--out", default="bench_packing", help="results file name under benchmarks/results")
     parser.add_argument("--chart-only", action="store_true", help="redraw the chart from benchmarks/results only")
     add_plot_argument(parser)
     args = parser.parse_args()
@@ -214,44 +252,63 @@ def main() -> None:
         with open(os.path.join(RESULTS_DIR, "bench_packing.json")) as f:
             chart(json.load(f), os.path.join(IMG_DIR, "bench_packing.png"))
         return
-    results: dict = {"documents": args.documents, "capacity": CAPACITY, "corpora": {}}
+    if args.quick:
+        args.documents, args.batches, args.repeats = 20_000, 30, 3
+        args.window_samples = args.window_samples or 1024
+    if args.window_samples:
+        import statefulset.index.bestfit.source as bestfit_source
+
+        bestfit_source.WINDOW_SAMPLES = args.window_samples  # read when a stream sizes its windows
+    results: dict = {"documents": args.documents, "capacity": CAPACITY, "corpora": {},
+                     "window_samples": args.window_samples or None}  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
         for kind in ("geometric", "long-tail"):
-            lengths = corpus_lengths(kind, args.documents)
-            prefix = os.path.join(folder, kind)
-            write(prefix, lengths)
-            common = {"data_path": prefix, "seq_length": SEQ, "split": "1", "path_to_cache": os.path.join(folder, "c")}
-            rows: dict = {}
-            native = open_stream({**common, "packing": "native"})
-            cut, dropped = concat_cuts(lengths, native.samples_per_epoch)
-            rows["native (concatenate)"] = {"padding": 0.0, "cut": cut, "dropped": dropped}
-            megatron = open_stream({**common, "packing": "megatron"})
-            source = megatron.sources[0]
-            order = source.document_index[: lengths.size].astype(numpy.int64)
-            cut, dropped = concat_cuts(lengths[order], len(megatron))
-            rows["megatron (concatenate)"] = {"padding": 0.0, "cut": cut, "dropped": dropped}
-            began = time.perf_counter()
-            bestfit = open_stream({**common, "packing": "bestfit"})
-            bins_seconds = time.perf_counter() - began
-            rows["bestfit (ours)"] = {**bestfit_figures(bestfit), "open_and_bins_seconds": bins_seconds}
-            for strategy in ("truncate", "fragment"):
-                found = olmo_figures(args.olmo_python, lengths, strategy, folder)
-                if found is not None:
-                    rows[f"OLMo-core best-fit ({strategy})"] = found
-            entry = {"tokens": int(lengths.sum()), "mean_length": float(lengths.mean()), "packings": rows}
-            entry["seek"] = seek({**common, "packing": "bestfit"})
-            if kind == "geometric":
+            entry = corpus(kind, args, folder)
+            if kind == "geometric" and not args.no_assembly:
+                common = entry.pop("common")
                 results["assembly"] = {
-                    p: assembly({**common, "packing": p}, args.batches, 5) for p in ("megatron", "native", "bestfit")
+                    p: assembly({**common, "packing": p}, args.batches, args.repeats)
+                    for p in ("megatron", "native", "bestfit")
                 }
+            entry.pop("common", None)
             results["corpora"][kind] = entry
             print(kind, json.dumps(entry, indent=1))
     print(json.dumps(results.get("assembly"), indent=1))
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    with open(os.path.join(RESULTS_DIR, "bench_packing.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    if not args.no_plot:
+    from provenance import write_results
+
+    results["command"] = "python benchmarks/bench_packing.py " + " ".join(sys.argv[1:])
+    write_results(args.out, results, quick=args.quick)
+    if not args.no_plot and not args.quick and args.out == "bench_packing":
         chart(results, os.path.join(IMG_DIR, "bench_packing.png"))
+
+
+def corpus(kind: str, args: argparse.Namespace, folder: str) -> dict:
+    """One corpus: every packing's padding, cut and dropped shares, and a bestfit seek."""
+    lengths = corpus_lengths(kind, args.documents)
+    prefix = os.path.join(folder, kind)
+    write(prefix, lengths)
+    common = {"data_path": prefix, "seq_length": SEQ, "split": "1", "path_to_cache": os.path.join(folder, "c")}
+    rows: dict = {}
+    native = open_stream({**common, "packing": "native"})
+    cut, dropped = concat_cuts(lengths, native.samples_per_epoch)
+    rows["native (concatenate)"] = {"padding": 0.0, "cut": cut, "dropped": dropped}
+    megatron = open_stream({**common, "packing": "megatron"})
+    source = megatron.sources[0]
+    order = source.document_index[: lengths.size].astype(numpy.int64)
+    cut, dropped = concat_cuts(lengths[order], len(megatron))
+    rows["megatron (concatenate)"] = {"padding": 0.0, "cut": cut, "dropped": dropped}
+    began = time.perf_counter()
+    bestfit = open_stream({**common, "packing": "bestfit"})
+    bins_seconds = time.perf_counter() - began
+    rows["bestfit (ours)"] = {**bestfit_figures(bestfit), "open_and_bins_seconds": bins_seconds}
+    rows["bestfit, whole source at once"] = whole_source_figures(lengths)
+    for strategy in ("truncate", "fragment"):
+        found = olmo_figures(args.olmo_python, lengths, strategy, folder)
+        if found is not None:
+            rows[f"OLMo-core best-fit ({strategy})"] = found
+    entry = {"tokens": int(lengths.sum()), "mean_length": float(lengths.mean()), "packings": rows, "common": common}
+    entry["seek"] = seek({**common, "packing": "bestfit"})
+    return entry
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from typing import Any
 
 from benchenv import busy_cpu_s, environment, environment_markdown, spread, wait_for_quiet
 from jsonl_corpus import EOD_TOKEN, OUT_DIR, ensure_corpus, train_tokenizer
-from plots import add_plot_argument, publish_result
+from plots import add_plot_argument, apply_quick, publish_result
 
 DEFAULT_DOCS = 200_000
 TOKENIZERS = ("bytes", "hf")
@@ -427,6 +427,9 @@ def main() -> None:
     add_plot_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    apply_quick(
+        args, "bench_preprocess", docs=2_000, repeats=1, train_docs=1_000, vocab_size=2_000, retries=0, max_wait=1.0,
+    )  # fmt: skip
     if args.child:
         run_child(json.loads(args.child))
         return
@@ -435,7 +438,7 @@ def main() -> None:
         with open(os.path.join(args.out_dir, "preprocess.json")) as f:
             result = json.load(f)
         _write_report(result, args.out_dir)
-        publish_result("bench_preprocess", result, not args.no_plot)
+        publish_result("bench_preprocess", result, not args.no_plot, quick=args.quick)
         return
     args.tokenizers = [t for t in args.tokenizers.split(",") if t]
     if not set(args.tokenizers) <= set(TOKENIZERS):
@@ -517,7 +520,7 @@ def main() -> None:
     with open(os.path.join(args.out_dir, "preprocess.json"), "w") as f:
         json.dump(result, f, indent=2)
     _write_report(result, args.out_dir)
-    publish_result("bench_preprocess", result, not args.no_plot)
+    publish_result("bench_preprocess", result, not args.no_plot, quick=args.quick)
     if not all(all(v) for v in identical.values()):
         raise SystemExit("byte-identity check FAILED")
 

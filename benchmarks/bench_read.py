@@ -26,7 +26,7 @@ from typing import Any
 import numpy
 from benchenv import environment, environment_markdown, git_state, load_average, spread
 from corpus import DTYPE, OUT_DIR, add_docs_argument, corpus_lengths, make_corpus
-from plots import add_plot_argument, publish_result
+from plots import add_plot_argument, apply_quick, publish_result
 
 # bench_write.py's outputs, all byte-identical; the first that matches is used.
 CANDIDATES = ("ours_vectorised_text_document", "megatron_text_document", "ours_loop_text_document")
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--out-dir", default=OUT_DIR, help="where the shard and JSON are (default benchmarks/out)")
     add_plot_argument(parser)
     args = parser.parse_args()
+    apply_quick(args, "bench_read", docs=20_000, reads=20_000, repeats=3)
     out_dir = os.path.abspath(args.out_dir)
     os.makedirs(out_dir, exist_ok=True)
 
@@ -192,7 +193,7 @@ def main() -> None:
     }
     with open(os.path.join(out_dir, "bench_read.json"), "w") as f:
         json.dump(result, f, indent=2)
-    publish_result("bench_read", result, not args.no_plot)
+    publish_result("bench_read", result, not args.no_plot, quick=args.quick)
 
     print(environment_markdown(result["environment"]))
     print()

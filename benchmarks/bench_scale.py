@@ -1,22 +1,28 @@
-"""Cold start at scale: a 100B-token corpus opened by fresh processes, against megatron-core 0.16.
+"""Cold start at scale: a 100B-token corpus opened by fresh processes, against megatron-core.
 
 The corpus is synthetic and sparse: a real ``.idx`` for 50,000,000 documents of geometric
 lengths (mean 2,000 tokens; 100.0B tokens; ~1 GB of index) and a ``.bin`` of the matching size
 made with ``truncate`` (no blocks on disk: every figure here is about the index, which is what
 start-up reads). One sample is read at the end of each open (zeros, from the sparse file).
 
-Each row runs in a fresh process with a fresh home (``XDG_CACHE_HOME``), as a new node would,
-sharing the spec's ``path_to_cache``:
+Each row runs in a fresh process with a fresh home (``XDG_CACHE_HOME``), sharing the spec's
+``path_to_cache``. That is a new node's view of the caches, but not of the machine: the process
+runs on the same host, with the same local disk, and by default with a warm page cache (the
+script has just written or read the index). The ``cold page cache`` rows evict the corpus and
+cache files first (``posix_fadvise(POSIX_FADV_DONTNEED)`` on each, after ``fsync``), which is
+closer to a new node reading a local disk; a new node on a network filesystem is not measured.
 
 - ``ours, unprepared``: the first open on a node (full check, digest, indices built or found);
 - ``ours, prepare``: ``statefulset prepare`` (native: check and digest; megatron: plus indices);
-- ``ours, after prepare``: a new node's open: the target is < 100 ms and < 64 MB of RSS growth;
+- ``ours, after prepare``: a fresh process's open, warm and cold page cache: the target is
+  < 100 ms and < 64 MB of RSS growth;
 - ``megatron-core``: ``BlendedMegatronDatasetBuilder(GPTDataset, ...)`` with the same
   ``path_to_cache``: first build, then a cached open in a fresh process;
 - ``six at once``: six unprepared processes opening together: CPU seconds against one.
 
 Run: ``python benchmarks/bench_scale.py [--docs 50000000] [--out DIR]`` (about 5 minutes, 2 GB
-of disk for the index and caches). ``--docs 2000000`` is a quick version.
+of disk for the index and caches). ``--quick`` (2,000,000 documents, results to
+``benchmarks/out/quick/``) is a smoke version.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from benchenv import environment, git_state  # noqa: E402
+from provenance import write_results  # noqa: E402
 
 SEQ = 2048
 MEAN = 2000
@@ -116,6 +123,28 @@ def child(job: dict) -> dict:
     }
 
 
+def evict(*folders_or_files: str) -> int:
+    """Drop these files (folders: every file under them) from the page cache; returns the files evicted.
+
+    ``fsync`` first, since only clean pages can be dropped; ``POSIX_FADV_DONTNEED`` then drops them
+    for every process on the host, without touching other files (unlike ``drop_caches``).
+    """
+    paths = []
+    for top in folders_or_files:
+        if os.path.isdir(top):
+            paths += [os.path.join(d, f) for d, _, files in os.walk(top) for f in files]
+        elif os.path.exists(top):
+            paths.append(top)
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return len(paths)
+
+
 def _run(job: dict, home: str, count: int = 1) -> list[dict]:
     env = {**os.environ, "XDG_CACHE_HOME": home}
     start = [subprocess.Popen([sys.executable, __file__, "--child", json.dumps(job)], env=env,
@@ -134,8 +163,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=50_000_000)
     parser.add_argument("--out", default=os.path.join(HERE, "out", "scale"))
+    parser.add_argument("--quick", action="store_true", help="2,000,000 documents (smoke run)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.docs = min(args.docs, 2_000_000)
+        args.out = os.path.join(HERE, "out", "quick", "scale")
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
@@ -158,10 +191,12 @@ def main() -> None:
             json.dump({"data_path": prefix, "seq_length": SEQ, "split": "100,0,0", "packing": packing,
                        "path_to_cache": cache}, f)  # fmt: skip
         job = {"kind": "ours", "spec": spec_path}
-        rows[f"ours {packing}: unprepared open, fresh node"] = _run(job, home())[0]
+        rows[f"ours {packing}: unprepared open, fresh process"] = _run(job, home())[0]
         shutil.rmtree(cache, ignore_errors=True)
         rows[f"ours {packing}: prepare"] = _run({"kind": "prepare", "spec": spec_path}, home())[0]
-        rows[f"ours {packing}: open after prepare, fresh node"] = _run(job, home())[0]
+        rows[f"ours {packing}: open after prepare, fresh process, warm page cache"] = _run(job, home())[0]
+        evict(prefix + ".idx", prefix + ".bin", cache)
+        rows[f"ours {packing}: open after prepare, fresh process, cold page cache"] = _run(job, home())[0]
         shutil.rmtree(cache, ignore_errors=True)
         one = _run(job, home())[0]
         shutil.rmtree(cache, ignore_errors=True)
@@ -176,14 +211,12 @@ def main() -> None:
     mcache = os.path.join(args.out, "cache-megatron-core")
     shutil.rmtree(mcache, ignore_errors=True)
     job = {"kind": "megatron-core", "prefix": prefix, "cache": mcache}
-    rows["megatron-core 0.16: first build"] = _run(job, home())[0]
-    rows["megatron-core 0.16: cached open, fresh process"] = _run(job, home())[0]
+    rows["megatron-core: first build"] = _run(job, home())[0]
+    rows["megatron-core: cached open, fresh process, warm page cache"] = _run(job, home())[0]
+    evict(prefix + ".idx", mcache)
+    rows["megatron-core: cached open, fresh process, cold page cache"] = _run(job, home())[0]
     report = {"environment": environment(), "git": git_state(), "docs": args.docs, "tokens": tokens, "rows": rows}
-    with open(os.path.join(args.out, "bench_scale.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "bench_scale.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    write_results("bench_scale", report, extra=("megatron-core",), quick=args.quick)
     print("| Case | wall, s | CPU, s | RSS growth, MB | peak RSS growth, MB |\n|---|---|---|---|---|")
     for name, r in rows.items():
         extra = f" (six: {r['cpu_total_over_one']:.2f}× the CPU of one)" if "cpu_total_over_one" in r else ""

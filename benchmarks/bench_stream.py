@@ -57,7 +57,7 @@ import numpy
 from bench_read import find_or_write_shard, warm
 from benchenv import busy_cpu_s, environment, environment_markdown, git_state, load_average, spread, wait_for_quiet
 from corpus import OUT_DIR, add_docs_argument
-from plots import add_plot_argument, publish_result
+from plots import add_plot_argument, apply_quick, publish_result
 
 SEQ_LENGTH = 2048
 SEED = 1234
@@ -1035,6 +1035,9 @@ def main() -> None:
     add_plot_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    apply_quick(
+        args, "bench_stream", docs=20_000, epochs="1", repeats=1, batches=200, passes=1, retries=0, max_wait=1.0,
+    )  # fmt: skip
     if args.child:
         run_child(json.loads(args.child))
         return
@@ -1045,7 +1048,7 @@ def main() -> None:
             result = json.load(f)
         _summarise(result)
         _write_report(result, out_dir)
-        publish_result("bench_stream", result, not args.no_plot)
+        publish_result("bench_stream", result, not args.no_plot, quick=args.quick)
         return
     SETTINGS.update(retries=args.retries, max_wait=args.max_wait)
     parts = [p for p in args.parts.split(",") if p]
@@ -1100,7 +1103,7 @@ def main() -> None:
     with open(os.path.join(out_dir, "bench_stream.json"), "w") as f:
         json.dump(result, f, indent=2)
     _write_report(result, out_dir)
-    publish_result("bench_stream", result, not args.no_plot)
+    publish_result("bench_stream", result, not args.no_plot, quick=args.quick)
     bad = [row["epochs"] for row in result.get("build_summary", []) if not all(row["identical"])]
     if bad:
         raise SystemExit(f"index arrays differ from megatron-core's for epochs {bad}")

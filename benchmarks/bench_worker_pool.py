@@ -99,7 +99,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--scale", type=int, action="append")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_worker_pool.json"))
+    parser.add_argument("--quick", action="store_true", help="smoke run (1 run at scale 1); to benchmarks/out/quick")
     args = parser.parse_args()
+    if args.quick:
+        args.runs, args.scale = 1, [1]
+        args.out = os.path.join(HERE, "out", "quick", "bench_worker_pool.json")
     import loky
     from benchenv import environment, git_state, load_average, spread
 
@@ -125,9 +129,9 @@ def main() -> None:
                   f"[{rows[-1]['min']:.3f} .. {rows[-1]['max']:.3f}]")  # fmt: skip
     result = {"environment": env, "git": git_state(), "load_average_after": load_average(), "runs": args.runs,
               "workers": 2, "rows": rows}  # fmt: skip
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    from provenance import write_results
+
+    write_results("bench_worker_pool", result, extra=("loky",), path=args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_worker_start.json"))
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="smoke run (1 process per method, 1 s)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.seconds = 1, 1.0
+        args.out = os.path.join(HERE, "out", "quick", "bench_worker_start.json")
     if args.child:
         print(json.dumps(child(args.spec, args.child[0], float(args.child[1]))))
         return
@@ -90,9 +94,9 @@ def main() -> None:
     for method, rows in runs.items():
         table[method] = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     result = {"environment": environment(), "git": git_state(), "load": load_average(), "runs": runs, "median": table}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    from provenance import write_results
+
+    write_results("bench_worker_start", result, path=args.out, quick=args.quick)
     fork = table["fork"]
     print(f"{WORKERS} workers, micro-batch {BATCH} x {SEQ + 1}; medians of {args.repeats} fresh processes\n")
     print("| start method | first loader: first batch | second loader: first batch | batches/s | vs fork |")

@@ -46,7 +46,7 @@ from benchenv import (
     vm_status,
 )
 from corpus import DTYPE, OUT_DIR, add_docs_argument, make_corpus
-from plots import add_plot_argument, publish_result
+from plots import add_plot_argument, apply_quick, publish_result
 
 WRITERS = ("megatron", "ours_vectorised", "ours_loop")
 # Not writers (no .idx): what writing the same 1 GB costs with nothing else around it.
@@ -356,6 +356,7 @@ def main() -> None:
     parser.add_argument("--child", choices=(*VARIANTS, "baseline"), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    apply_quick(args, "bench_write", docs=20_000, repeats=1)
     args.out_dir = os.path.abspath(args.out_dir)
     os.makedirs(args.out_dir, exist_ok=True)
     if args.child:
@@ -408,7 +409,7 @@ def main() -> None:
     print(environment_markdown(result["environment"]))
     print()
     print(_markdown(summary, identical, result))
-    publish_result("bench_write", result, not args.no_plot)
+    publish_result("bench_write", result, not args.no_plot, quick=args.quick)
     if result["git"] != git_before:
         print("\nWARNING: the library changed during the run; the runs mix code versions.", file=sys.stderr)
     if not all(all(v) for v in identical.values()):

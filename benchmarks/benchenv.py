@@ -1,4 +1,7 @@
-"""Helpers shared by the benchmark scripts: machine and version facts, memory readings, summaries."""
+"""Helpers shared by the benchmark scripts: memory readings, load, quiet-machine waits, summaries.
+
+Results files are written through ``provenance.write_results`` (commit, machine, versions).
+"""
 
 from __future__ import annotations
 
@@ -8,50 +11,22 @@ import statistics
 import subprocess
 import sys
 import time
-from importlib import metadata
 
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _ram_gib() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return float("nan")
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+from provenance import cpu_model, memory_gib, version
 
 
 def environment() -> dict[str, object]:
     """Machine and versions, read without importing torch or megatron (so it is cheap)."""
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "vcpus": os.cpu_count(),
-        "ram_gib": round(_ram_gib(), 1),
+        "ram_gib": memory_gib(),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "numpy": _version("numpy"),
-        "torch": _version("torch"),
-        "megatron-core": _version("megatron-core"),
-        "statefulset": _version("statefulset"),
+        "numpy": version("numpy") or "not installed",
+        "torch": version("torch") or "not installed",
+        "megatron-core": version("megatron-core") or "not installed",
+        "statefulset": version("statefulset") or "not installed",
     }
 
 

@@ -45,6 +45,19 @@ def add_plot_argument(parser: Any) -> None:
     parser.add_argument(
         "--no-plot", action="store_true", help="write benchmarks/results/<name>.json but no docs/img/<name>.png"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run at a small size: results to benchmarks/out/quick/, no chart"
+    )
+
+
+def apply_quick(args: Any, name: str, **small: Any) -> None:
+    """With ``--quick``: the small sizes ``small``, a folder of its own under benchmarks/out/quick, no chart."""
+    if not args.quick:
+        return
+    for key, value in small.items():
+        setattr(args, key, value)
+    args.out_dir = os.path.join(HERE, "out", "quick", name)
+    args.no_plot = True
 
 
 def _format(value: float, unit: str) -> str:
@@ -124,9 +137,15 @@ def publish(
     plot: bool = True,
     results_dir: str = RESULTS_DIR,
     img_dir: str = IMG_DIR,
+    quick: bool = False,
 ) -> tuple[str, str | None]:
-    """Write ``<results_dir>/<name>.json`` (and ``<img_dir>/<name>.png`` when ``plot``); return both paths."""
-    os.makedirs(results_dir, exist_ok=True)
+    """Write ``<results_dir>/<name>.json`` (and ``<img_dir>/<name>.png`` when ``plot``); return both paths.
+
+    Written through ``provenance.write_results`` (commit, machine, versions); ``quick`` runs go to
+    ``benchmarks/out/quick/`` and draw nothing.
+    """
+    from provenance import write_results
+
     record = {
         "name": name,
         "title": title,
@@ -135,11 +154,10 @@ def publish(
         "comparisons": [{**asdict(c), "ratio": c.ratio} for c in comparisons],
         "summary": summary,
     }
-    json_path = os.path.join(results_dir, f"{name}.json")
-    with open(json_path, "w") as f:
-        json.dump(record, f, indent=1, default=_plain)
+    json_path = write_results(name, record, path=None if quick else os.path.join(results_dir, f"{name}.json"),
+                              quick=quick)  # fmt: skip
     png_path = None
-    if plot and comparisons:
+    if plot and comparisons and not quick:
         png_path = ratio_chart(comparisons, title, os.path.join(img_dir, f"{name}.png"), anchor_name)
     return json_path, png_path
 

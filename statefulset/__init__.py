@@ -6,13 +6,15 @@ Data flows one way, and the subpackages follow it:
                                   parallel ↗        tools (CLI, preprocessing, demo) use them all
 
 The names below are the public surface (CONTRACT §1 and what the docs use). The framework
-integrations (Megatron-LM, Nanotron, Lightning) are imported on first use, so ``import
-statefulset`` never imports lightning or megatron.
+integrations (Megatron-LM, Nanotron, Lightning) and the loaders (torch) are imported on first
+use, so ``import statefulset`` never imports lightning or megatron, and opening a spec
+(``open_stream``, ``statefulset prepare`` / ``inspect``) never imports torch: its import costs
+more CPU than opening an unprepared 100B-token spec whose work another process already did
+(benchmarks/bench_concurrent_open.py).
 """
 
 from statefulset.errors import StatefulsetError
 from statefulset.loading.datasets import StreamDataset, get_train_dataset, get_val_dataset
-from statefulset.loading.loader import Loader, SavableLoader, get_loader, get_savable_loader
 from statefulset.loading.placeholder import PlaceholderLoader
 from statefulset.loading.worker_config import WorkerConfig
 from statefulset.parallel.groups import create_data_parallel_groups, create_parallel_groups
@@ -24,8 +26,13 @@ from statefulset.spec.model import DatasetSpec, load_spec
 from statefulset.streams.base import SampleStream
 from statefulset.streams.opening import open_stream
 
-# Public names of the integrations, by the module that defines them (imported on first use).
+# Public names of the integrations and the loaders, by the module that defines them (imported on
+# first use).
 _LAZY = {
+    "Loader": "statefulset.loading.loader",
+    "SavableLoader": "statefulset.loading.loader",
+    "get_loader": "statefulset.loading.loader",
+    "get_savable_loader": "statefulset.loading.loader",
     "GPTBatchConfig": "statefulset.integrations.megatron.batch",
     "gpt_batch": "statefulset.integrations.megatron.batch",
     "MegatronIterator": "statefulset.integrations.megatron.iterators",

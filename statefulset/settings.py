@@ -161,6 +161,11 @@ STORAGE_RETRY_SECONDS = Setting(
     "STATEFULSET_STORAGE_RETRY_SECONDS", 120.0, _non_negative_seconds, "a number of seconds >= 0",
     "The whole time budget for one storage request's retries.",
 )  # fmt: skip
+STORAGE_MAX_REQUESTS = Setting(
+    "STATEFULSET_STORAGE_MAX_REQUESTS", 32, _positive_int, "a whole number >= 1",
+    "The most ranged reads of object storage a process keeps in flight, shared by all its readers; the "
+    "limit halves when the store fails transiently (throttling, timeouts) and grows back as it answers.",
+)  # fmt: skip
 REMOTE_CACHE = Setting(
     "STATEFULSET_REMOTE_CACHE", "", _text, "a folder",
     "Where local copies of remote .idx files are kept. Default: <user cache>/remote-idx.",

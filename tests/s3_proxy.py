@@ -6,9 +6,13 @@ on 127.0.0.1. Tests and benchmarks steer it while it runs with requests to the p
 - ``GET /__proxy__/set?latency=0.01&fail503=3&drop=2&stall=1&deny=1`` sets the added latency
   (seconds per request) and how many of the next requests answer 503 SlowDown, are dropped
   (connection closed without an answer), stall (never answered) or answer 403 InvalidAccessKeyId;
-  ``deny=-1`` denies every request;
-- ``GET /__proxy__/stats`` answers JSON ``{"requests": n, "ranged": n, "bytes": n}`` (data
-  requests forwarded so far, those with a Range header, body bytes returned);
+  ``deny=-1`` denies every request; ``every503=k`` answers 503 SlowDown to every k-th data request
+  (0: never), so that every kind of request a run makes meets a fault; ``max_inflight=k`` answers
+  503 SlowDown to a data request that arrives while k others are in flight (a store that throttles
+  above a concurrency it can serve; 0: no limit); ``serial=1`` serves one data request at a time
+  (a one-thread server: the others queue, their time counts against the client's timeouts);
+- ``GET /__proxy__/stats`` answers JSON ``{"requests": n, "ranged": n, "bytes": n, "503s": n}``
+  (data requests so far, those with a Range header, body bytes returned, 503s answered);
 - ``GET /__proxy__/reset`` zeroes the counters and the faults.
 
 Requests are forwarded byte for byte (the Host header is kept, so signatures still match),
@@ -22,8 +26,10 @@ import json
 import sys
 from urllib.parse import parse_qs, urlsplit
 
-STATE = {"latency": 0.0, "fail503": 0, "drop": 0, "stall": 0, "deny": 0}
-STATS = {"requests": 0, "ranged": 0, "bytes": 0}
+STATE = {"latency": 0.0, "fail503": 0, "drop": 0, "stall": 0, "deny": 0, "every503": 0, "max_inflight": 0, "serial": 0}
+INFLIGHT = [0]
+_SERIAL: list[asyncio.Lock] = []
+STATS = {"requests": 0, "ranged": 0, "bytes": 0, "503s": 0, "most_inflight": 0}
 
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -41,7 +47,9 @@ def _response(status: str, body: bytes, head_only: bool = False) -> bytes:
     return head.encode() + (b"" if head_only else body)  # a HEAD answer has no body
 
 
-async def _read_message(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, str], bytes] | None:
+async def _read_message(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> tuple[bytes, dict[str, str], bytes] | None:
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except (asyncio.IncompleteReadError, ConnectionError):
@@ -53,6 +61,10 @@ async def _read_message(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, 
             k, v = line.split(":", 1)
             headers[k.strip().lower()] = v.strip()
     body = b""
+    if headers.get("expect", "").lower() == "100-continue":  # the client sends its body only when asked
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        head = "\r\n".join(line for line in lines if not line.lower().startswith("expect:")).encode("latin-1")
     if "content-length" in headers:
         body = await reader.readexactly(int(headers["content-length"]))
     return head, headers, body
@@ -64,8 +76,8 @@ def _control(target: str) -> bytes:
         for key, values in parse_qs(url.query).items():
             STATE[key] = float(values[0]) if key == "latency" else int(values[0])
     elif url.path == "/__proxy__/reset":
-        STATE.update(latency=0.0, fail503=0, drop=0, stall=0, deny=0)
-        STATS.update(requests=0, ranged=0, bytes=0)
+        STATE.update(latency=0.0, fail503=0, drop=0, stall=0, deny=0, every503=0, max_inflight=0, serial=0)
+        STATS.update(requests=0, ranged=0, bytes=0, most_inflight=0, **{"503s": 0})
     return _response("200 OK", json.dumps({**STATE, **STATS}).encode())
 
 
@@ -102,10 +114,37 @@ async def _forward(upstream_port: int, head: bytes, body: bytes) -> tuple[bytes,
     return ("\r\n".join(kept) + "\r\n\r\n").encode("latin-1") + payload, not chunked
 
 
+async def _answer(upstream_port: int, writer: asyncio.StreamWriter, head: bytes, body: bytes, inflight: int) -> bool:
+    """Answer one data request (a fault, or the upstream's answer); False when the connection must close."""
+    if STATE["latency"]:
+        await asyncio.sleep(STATE["latency"])
+    if _take("stall"):
+        await asyncio.sleep(3600)
+        return False
+    if _take("drop"):
+        return False
+    is_head = head.startswith(b"HEAD ")
+    every = STATE["every503"] and STATS["requests"] % STATE["every503"] == 0
+    crowded = STATE["max_inflight"] and inflight > STATE["max_inflight"]
+    if _take("deny"):
+        writer.write(_response("403 Forbidden", _DENIED, is_head))
+    elif _take("fail503") or every or crowded:
+        STATS["503s"] += 1
+        writer.write(_response("503 Slow Down", _SLOWDOWN, is_head))
+    else:
+        answer, keep = await _forward(upstream_port, head, body)
+        writer.write(answer)
+        if not keep:
+            await writer.drain()
+            return False
+    await writer.drain()
+    return True
+
+
 async def _serve(upstream_port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         while True:
-            message = await _read_message(reader)
+            message = await _read_message(reader, writer)
             if message is None:
                 return
             head, headers, body = message
@@ -116,25 +155,20 @@ async def _serve(upstream_port: int, reader: asyncio.StreamReader, writer: async
                 continue
             STATS["requests"] += 1
             STATS["ranged"] += "range" in headers
-            if STATE["latency"]:
-                await asyncio.sleep(STATE["latency"])
-            if _take("stall"):
-                await asyncio.sleep(3600)
+            INFLIGHT[0] += 1
+            STATS["most_inflight"] = max(STATS["most_inflight"], INFLIGHT[0])
+            try:
+                if STATE["serial"]:
+                    if not _SERIAL:
+                        _SERIAL.append(asyncio.Lock())
+                    async with _SERIAL[0]:
+                        keep = await _answer(upstream_port, writer, head, body, INFLIGHT[0])
+                else:
+                    keep = await _answer(upstream_port, writer, head, body, INFLIGHT[0])
+            finally:
+                INFLIGHT[0] -= 1
+            if not keep:
                 return
-            if _take("drop"):
-                return
-            is_head = head.startswith(b"HEAD ")
-            if _take("deny"):
-                writer.write(_response("403 Forbidden", _DENIED, is_head))
-            elif _take("fail503"):
-                writer.write(_response("503 Slow Down", _SLOWDOWN, is_head))
-            else:
-                answer, keep = await _forward(upstream_port, head, body)
-                writer.write(answer)
-                if not keep:
-                    await writer.drain()
-                    return
-            await writer.drain()
     except (ConnectionError, asyncio.IncompleteReadError):
         return
     finally:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import msgpack
 import numpy
 import torch
-import torch.distributed as dist
 from ranks import init_rank, spawn
 
 from statefulset import IndexedDatasetWriter, StatefulsetError, WorkerConfig, get_savable_loader, get_train_dataset
@@ -38,8 +37,7 @@ def _ranks(rank: int, world: int, init_file: str, out: str) -> None:
     mine = b"x" * (PAYLOAD + 1) if rank == 1 else f"from {rank}".encode()
     results["gather_oversized"] = _outcome(lambda: gather_bytes(mine, 0))
     results["gather"] = _outcome(lambda: gather_bytes(f"from {rank}".encode(), 2))
-    torch.save(results, f"{out}/{rank}.pt")
-    dist.destroy_process_group()
+    torch.save(results, f"{out}/{rank}.pt")  # no destroy_process_group: on torch 2.4.1 it hung a rank
 
 
 def test_an_oversized_payload_or_error_raises_on_every_rank_instead_of_hanging(tmp_path):
@@ -77,7 +75,6 @@ def _restore_from_rank_0(rank: int, world: int, init_file: str, out: str, spec: 
     if rank == 0:  # a damaged state whose error message is ~6,000 bytes of UTF-8
         states = [{**loader.save_state_rank(), "format": LONG} for _ in range(world)]
     torch.save(_outcome(lambda: loader.restore_state_global(states, src_rank=0)), f"{out}/{rank}.pt")
-    dist.destroy_process_group()
 
 
 def test_a_long_restore_error_at_the_source_rank_is_raised_on_every_rank(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
 import pickle
 
 import numpy
@@ -138,6 +139,30 @@ def test_val_loader_is_one_pass_of_whole_global_batches(corpus):
     assert first[0] == [3, 4, 5]
     limited = get_loader(get_val_dataset(spec, batch_size=3, worker_config=wc, limit=2))
     assert len(list(limited)) == 2
+
+
+def test_validation_passes_reuse_the_persistent_workers(corpus):
+    # Before, every iter() built a new DataLoader and forked new workers for each validation pass.
+    spec = {"data_path": str(corpus / "a"), "seq_length": 32, "split": "80,20,0", "packing": "native"}
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+    loader = get_loader(get_val_dataset(spec, batch_size=3, worker_config=wc), multiprocessing_context="fork")
+    passes, pids = [], []
+    for _ in range(2):
+        batches = []
+        for batch in loader:
+            batches.append((batch["sample_id"].clone(), batch["text"].clone()))
+            if len(batches) == 1:
+                pids.append(sorted(p.pid for p in multiprocessing.active_children()))
+        passes.append(batches)
+    assert len(pids[0]) == 2 and pids[0] == pids[1]
+    same(passes[0], passes[1])
+    # A pass left half-way: the next iter() starts from the beginning, and the old pass is over.
+    early = iter(loader)
+    next(early)
+    same(take(iter(loader), len(passes[0])), passes[0])
+    with pytest.raises(StatefulsetError, match="superseded by a later iter"):
+        next(early)
+    assert sorted(p.pid for p in multiprocessing.active_children()) == pids[0]
 
 
 def test_creating_and_iterating_never_touch_the_global_rngs(spec):

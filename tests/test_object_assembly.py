@@ -12,10 +12,11 @@ import os
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from s3_servers import moto_server, upload
+from s3_servers import moto_server, proxy, upload
 
 from statefulset import StatefulsetError
-from statefulset.shards.object_assembly import assemble, plan_parts
+from statefulset.shards.object_assembly import assemble, multipart_etag, plan_parts
+from statefulset.shards.remote import open_filesystem
 
 MiB = 1 << 20
 
@@ -47,15 +48,19 @@ def test_plan_covers_the_sources_in_order_with_parts_the_store_accepts(sizes, mi
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
+def server():
     pytest.importorskip("s3fs")
-    with moto_server() as server:
-        import s3fs
+    with moto_server() as s:
+        upload(s, "shards", {})
+        yield s
 
-        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": server.endpoint, "region_name": "us-east-1"},
-                               key=server.key, secret=server.secret)  # fmt: skip
-        upload(server, "shards", {})
-        yield fs
+
+@pytest.fixture(scope="module")
+def s3(server):
+    import s3fs
+
+    return s3fs.S3FileSystem(client_kwargs={"endpoint_url": server.endpoint, "region_name": "us-east-1"},
+                             key=server.key, secret=server.secret)  # fmt: skip
 
 
 def _put(fs, sizes: list[int], prefix: str) -> tuple[list[tuple[str, int]], bytes]:
@@ -102,3 +107,34 @@ def test_a_missing_source_names_it_and_leaves_no_target(s3):
     s3.invalidate_cache()
     uploads = s3.call_s3("list_multipart_uploads", Bucket="shards").get("Uploads", [])
     assert not uploads  # aborted, nothing left to bill
+
+
+def test_every_request_of_an_assembly_is_retried_through_503s(s3, server, monkeypatch):
+    """One request in three answers 503 SlowDown (the proxy), on the client the preprocessing run makes
+    (its own retries off): the assembly completes with the same bytes. Failed on 5cf6a81 (no retries)."""
+    monkeypatch.setenv("STATEFULSET_STORAGE_RETRIES", "10")
+    sizes = [6 * MiB, 1 * MiB, 2 * MiB, 7 * MiB + 5, 3 * MiB, 5 * MiB, 2]
+    sources, whole = _put(s3, sizes, "r")
+    with proxy(server) as p:
+        fs, _ = open_filesystem("s3://shards/r.bin", {"endpoint_url": p.endpoint, "key": server.key,
+                                                      "secret": server.secret})  # fmt: skip
+        p.set(every503=3)
+        assemble(fs, "shards/r.bin", sources, "shards/r.scratch", max_parts=2)
+        assert p.stats()["503s"] >= 5
+    s3.invalidate_cache()
+    assert s3.cat_file("shards/r.bin") == whole
+    assert not s3.exists("shards/r.scratch")
+
+
+def test_the_multipart_etag_is_the_one_the_store_gives(s3):
+    """What a retried CompleteMultipartUpload compares the object with when its first answer was lost."""
+    sources, _ = _put(s3, [6 * MiB, 6 * MiB], "e")
+    assemble(s3, "shards/e.bin", sources, "shards/e.scratch")
+    s3.invalidate_cache()
+    upload_id = s3.call_s3("create_multipart_upload", Bucket="shards", Key="e2.bin")["UploadId"]
+    etags = [s3.call_s3("upload_part", Bucket="shards", Key="e2.bin", UploadId=upload_id, PartNumber=n,
+                        Body=bytes([n]) * (5 * MiB))["ETag"] for n in (1, 2)]  # fmt: skip
+    parts = [{"PartNumber": n, "ETag": e} for n, e in zip((1, 2), etags, strict=True)]
+    s3.call_s3("complete_multipart_upload", Bucket="shards", Key="e2.bin", UploadId=upload_id,
+               MultipartUpload={"Parts": parts})  # fmt: skip
+    assert s3.call_s3("head_object", Bucket="shards", Key="e2.bin")["ETag"] == multipart_etag(etags)

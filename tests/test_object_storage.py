@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy
@@ -269,8 +270,8 @@ class TestWorkers:
             spec["storage_options"] = opts
             yield p, spec
 
-    def _loader(self, spec, **kwargs):
-        wc = WorkerConfig(rank=0, world_size=1, num_workers=1)
+    def _loader(self, spec, workers=1, **kwargs):
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
         return get_savable_loader(
             get_train_dataset(spec, batch_size=4, worker_config=wc), multiprocessing_context="fork", **kwargs
         )
@@ -286,6 +287,31 @@ class TestWorkers:
         assert time.monotonic() - start < 60
         text = str(caught.value)
         assert text.startswith("watchdog: no batch for 2 s: DataLoader worker 0 of 1 was building micro-batch 0")
+        assert "reading s3://corpus/shards/web.bin" in text
+
+    def test_stalled_request_trips_the_watchdog_with_no_workers(self, behind_proxy, monkeypatch):
+        # Before, num_workers=0 built batches on the trainer's thread and the watchdog never ran:
+        # a stalled read blocked the trainer for the storage timeouts (minutes). The call runs on
+        # a thread here so that the test ends (and fails) within its bound either way.
+        p, spec = behind_proxy
+        monkeypatch.setenv("STATEFULSET_READ_AHEAD", "1")
+        loader = self._loader(spec, workers=0, watchdog_timeout_seconds=2, fail_on_timeout=True)
+        p.set(stall=-1)
+        outcome: list = []
+
+        def first_batch():
+            try:
+                outcome.append(next(iter(loader)))
+            except Exception as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=first_batch, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+        assert outcome, "no batch and no error within 60 s: the watchdog did not fire with 0 workers"
+        assert isinstance(outcome[0], StatefulsetError), outcome[0]
+        text = str(outcome[0])
+        assert text.startswith("watchdog: no batch for 2 s: the trainer process was building micro-batch 0"), text
         assert "reading s3://corpus/shards/web.bin" in text
 
     def test_without_fail_on_timeout_it_warns_then_gives_up(self, behind_proxy, caplog):

@@ -70,17 +70,18 @@ def test_a_killed_run_resumes_with_only_the_unfinished_tasks_and_a_changed_rerun
         f.writelines(json.dumps(r) + "\n" for r in _rows(6000, 1))
     args = ["--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out"), "--executor", "ray",
             "--task-bytes", "50000", "--chunk-bytes", "16384"]  # fmt: skip
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    gate = tmp_path / "gate"
+    gate.write_text("3")  # tasks 0-2 commit; every later task waits at the gate, so the kill lands mid-run
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "STATEFULSET_TEST_GATE": str(gate)}
     proc = subprocess.Popen([sys.executable, "-m", "statefulset", "preprocess", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)  # fmt: skip
     parts = tmp_path / "out.parts"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if parts.exists() and sum(n.endswith(".done") for n in os.listdir(parts)) >= 3:
             break
         time.sleep(0.05)
-    if proc.poll() is not None:
-        pytest.skip("the run finished before it could be killed")
+    assert proc.poll() is None, proc.communicate()[1]  # held at the gate: it cannot have finished
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and its local Ray, as a lost node would
     proc.wait()
     committed = sum(n.endswith(".done") for n in os.listdir(parts))

@@ -222,3 +222,24 @@ class TestLockFile:
             locks.exclusive(lock, "subject", "probing"),
         ):
             pass
+
+
+def test_opening_a_spec_never_imports_torch(corpus):
+    """What six concurrent opens each did alone was importing torch (benchmarks/bench_concurrent_open.py):
+    opening a spec, prepare and inspect need none of it; the loaders import it on first use."""
+    tmp_path, prefixes = corpus
+    spec = _spec_file(tmp_path, prefixes, "native")
+    code = textwrap.dedent(
+        """
+        import sys
+        import statefulset
+        from statefulset.streams.opening import open_stream
+        from statefulset.tools import cli, prepare
+        open_stream(sys.argv[1]).gather([0, 1])
+        assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))[:5]
+        statefulset.get_savable_loader
+        assert "torch" in sys.modules
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code, spec], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr

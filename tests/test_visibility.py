@@ -133,7 +133,15 @@ def test_progress_lines_come_at_most_every_interval(monkeypatch):
     progress.close()
     first, last = out.getvalue().splitlines()
     assert first.startswith("merge: 60% of input, 6 docs, 60 tokens, ")
-    assert last.startswith("merge: 60% of input, 6 docs, 60 tokens, ") and "done in" in last
+    # Completed, it read all its input (units need not count every byte: a Parquet footer): 100%, done.
+    assert last.startswith("merge: 100% of input, 6 docs, 60 tokens, ") and "done in" in last
+    stopped = io.StringIO()
+    interrupted = Progress("preprocess", total_bytes=1000, stream=stopped)
+    interrupted.update(1, 10, 300)
+    interrupted.close(completed=False)  # an error or Ctrl-C: neither 100% nor "done" (issue 25)
+    line = stopped.getvalue().strip()
+    assert line.startswith("preprocess: 30% of input, 1 docs, 10 tokens, ") and "stopped after" in line
+    assert "done" not in line
     quiet = io.StringIO()
     silent = Progress("x", None, enabled=False, stream=quiet)
     silent.update(1, 1, 1)

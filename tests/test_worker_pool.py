@@ -145,10 +145,12 @@ def test_a_worker_error_is_raised_in_input_order_and_the_workers_are_gone():
     assert [c for c in _children(os.getpid()) if _alive(c)] == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("workers_state", ["held at the gate", "stopped"])
-def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state):
+def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state, sig):
     """On 5cf6a81 they never did: each worker inherited its siblings' pipe ends, so none saw end-of-file,
-    and nothing else tied them to their parent."""
+    and nothing else tied them to their parent. SIGTERM (``kill PID``, a job scheduler) makes the CLI
+    unwind (exit 143) and stop its workers, even stopped ones; SIGKILL leaves it to PR_SET_PDEATHSIG."""
     _corpus(tmp_path / "in.jsonl", 4000, 2)
     gate = tmp_path / "gate"
     gate.write_text("")
@@ -165,8 +167,8 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state):
                 os.kill(pid, signal.SIGSTOP)
         time.sleep(0.5)  # each worker holds its first unit at the gate (or is stopped)
         assert proc.poll() is None, proc.stderr.read()
-        proc.kill()
-        proc.wait()
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=BOUND_S) == (143 if sig == signal.SIGTERM else -sig)
         _wait_for(lambda: not any(_alive(p) for p in workers), "the workers to end after their parent", BOUND_S)
     finally:
         gate.unlink()
@@ -202,6 +204,44 @@ def test_a_killed_worker_ends_the_run_with_a_named_error_and_no_process_left(tmp
         assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
     finally:
         gate.unlink()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_stops_the_run_its_workers_and_its_files(tmp_path, stop, code):
+    """Issue 25: after Ctrl-C the progress line said "done", and SIGTERM ended the main process with no
+    cleanup at all. Now either unwinds: the line says where it stopped, no worker and no file is left."""
+    _corpus(tmp_path / "in.jsonl", 4000, 5)
+    gate = tmp_path / "gate"
+    gate.write_text("")
+    env = {**os.environ, "STATEFULSET_TEST_GATE": str(gate)}
+    command = [sys.executable, "-m", "statefulset", "preprocess", "--input", str(tmp_path / "in.jsonl"),
+               "--output-prefix", str(tmp_path / "out" / "x"), "--workers", "2", "--chunk-bytes", "65536"]  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    workers: list[int] = []
+    try:
+        _wait_for(lambda: len(_children(proc.pid)) >= 2, "the two workers")
+        workers = _children(proc.pid)
+        time.sleep(0.5)  # the workers hold their first units at the gate
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(stop)  # the main process only, as a terminal's Ctrl-C reaches all (workers ignore it)
+        try:
+            returned = proc.wait(timeout=BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"preprocess did not stop within {BOUND_S:g} s of {stop.name}")
+        stderr = proc.stderr.read()
+        assert returned == code, stderr
+        assert "stopped after" in stderr and "done" not in stderr and "100%" not in stderr, stderr
+        assert "Traceback" not in stderr, stderr
+        _wait_for(lambda: not any(_alive(p) for p in workers), "the workers to end", BOUND_S)
+        assert os.listdir(tmp_path / "out") == []  # no output, no temporary
+    finally:
+        gate.unlink()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -201,6 +201,7 @@ class BatchSource(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         if info is None:  # num_workers=0: the trainer process builds int64 rows itself
+            self.stream.check_unchanged()  # a new pass (epoch, validation round) over replaced files
             for t, rows in self.batches(numpy.int64):
                 yield t, (rows.result() if rows is not None else self._build(t))
             return
@@ -210,6 +211,7 @@ class BatchSource(IterableDataset):
         ring.started[info.id] = 1
         t = None
         try:
+            self.stream.check_unchanged()  # a worker (re)started: the .bin files are still the ones opened
             bundles = 0
             filled, first = 0, None
             for t, rows in self.batches(ring.dtype, info.id, info.num_workers, ring.bundle):

@@ -2,8 +2,11 @@
 
 The loaders (:mod:`statefulset.loading.loader`) hand out what a ``Delivery`` yields. It builds the
 DataLoader over a :class:`~statefulset.loading.batches.BatchSource`, waits for each worker hand-off
-under the watchdog (:mod:`statefulset.loading.watchdog`), starts forked workers again that never
+under the watchdog (:mod:`statefulset.loading.watchdog`; with no workers the batches are built
+on a helper thread so that the wait stays bounded), starts forked workers again that never
 started (:mod:`statefulset.loading.worker_start`), and widens or pins the batches it receives.
+A later pass may reuse a pass's DataLoader (``reuse``): its persistent workers then serve it
+without a fork.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from statefulset.loading import torch_internals
 from statefulset.loading.batches import BatchRing, BatchSource, bundle_size, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.state import Cursor
-from statefulset.loading.watchdog import TimedOut, Watchdog
+from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog
 from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, stop_workers
 
 
@@ -54,9 +57,20 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
 
 
 class Delivery:
-    """One pass of a DataLoader: batches in order, watched, widened, pinned if asked."""
+    """One pass of a DataLoader: batches in order, watched, widened, pinned if asked.
 
-    def __init__(self, dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]) -> None:
+    ``reuse``: the DataLoader and source of an earlier pass over the same cursor, whose
+    persistent workers start this pass (torch resets them; no fork). ``restarted`` says whether
+    this pass had to start its workers again (its DataLoader then begins later: not reusable).
+    """
+
+    def __init__(
+        self,
+        dataset: StreamDataset,
+        cursor: Cursor,
+        options: dict[str, Any],
+        reuse: tuple[DataLoader, BatchSource, Any] | None = None,
+    ) -> None:
         self.dataset, self.options = dataset, options
         self.workers = dataset.worker_config.num_workers
         self.watchdog: Watchdog = options["watchdog"]
@@ -66,18 +80,40 @@ class Delivery:
         self.first = True
         self.ready: list[dict[str, torch.Tensor]] = []  # the rest of a worker's bundle, last first
         self.start_watch = StartWatch(options["multiprocessing_context"]) if self.workers else None
-        self._start(cursor)
+        self.restarted = self.superseded = False
+        self.in_process: InProcessSource | None = None
+        if reuse is not None:
+            self._resume(*reuse)
+        else:
+            self._start(cursor)
 
     def _start(self, cursor: Cursor) -> None:
         self.loader, self.source = _data_loader(self.dataset, cursor, self.options)
         self.iterator = iter(self.loader)
-        if self.start_watch is not None:
+        if self.workers:
             torch_internals.check_iterator(self.iterator)
-            self.start_watch.watch(self.source.ring.started)
+            self.start_watch.watch(self.source.ring.started)  # type: ignore[union-attr]
+        elif self.watchdog.timeout is not None:  # no workers: build on a thread, wait under the watchdog
+            self.in_process = InProcessSource(self.iterator)
+
+    def _resume(self, loader: DataLoader, source: BatchSource, iterator: Any) -> None:
+        """A new pass of persistent workers: torch drains the last pass's batches and restarts them."""
+        self.loader, self.source = loader, source
+        # The drain waits with the iterator's timeout: bound it by the watchdog's (or the loader's).
+        period = self.watchdog.period(True)
+        bound = min(x for x in (period * HARD_PERIODS if period else None, self.timeout or None, 3600.0) if x)
+        torch_internals.set_wait_timeout(iterator, bound)
+        try:
+            self.iterator = iter(loader)
+        except RuntimeError as exc:
+            raise StatefulsetError(
+                f"{describe_batch(source, self.next_t, self.workers)}: the persistent DataLoader workers did "
+                f"not finish the last pass within {bound:g} s to start a new one: {exc}"
+            ) from exc
 
     def _get(self, period: float | None) -> Any:
         if not self.workers:
-            return next(self.iterator)
+            return next(self.iterator) if self.in_process is None else self.in_process.get(period)
         if self.start_watch is None or not self.start_watch.pending():
             return self._wait(period)
         # Until every worker has started, wait in steps of a second and look for stuck ones.
@@ -92,6 +128,7 @@ class Delivery:
             if stuck:
                 stop_workers(self.iterator, stuck)
                 self.start_watch.restarted(stuck, self.next_t)
+                self.restarted = True
                 c = self.source.cursor  # the same batches again, from the first one not delivered
                 self._start(Cursor(c.base, self.next_t, c.dp_rank, c.dp_size, c.batch_size))
             if period is not None and waited >= period:
@@ -118,6 +155,11 @@ class Delivery:
             raise
 
     def __next__(self) -> dict[str, torch.Tensor]:
+        if self.superseded:
+            raise StatefulsetError(
+                "this pass of a validation loader was superseded by a later iter() of the same loader: its "
+                "persistent workers serve one pass at a time (finish a pass, or use one loader per pass)"
+            )
         if not self.ready:
             item = self.watchdog.wait(
                 self._get, self.first, lambda: describe_batch(self.source, self.next_t, self.workers)

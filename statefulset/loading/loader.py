@@ -59,15 +59,27 @@ def _options(
 
 
 class Loader:
-    """A non-savable loader (validation): every ``iter()`` is a fresh pass from the start."""
+    """A non-savable loader (validation): every ``iter()`` is a fresh pass from the start.
+
+    With workers and ``persistent_workers=True`` (the default) every pass runs on the same
+    DataLoader, so the workers forked for the first pass serve the later ones too. One pass at a
+    time: a new ``iter()`` ends the one before (its iterator then raises if asked for more).
+    """
 
     def __init__(self, dataset: StreamDataset, **options: Any) -> None:
         self.dataset = dataset
         self.worker_config = dataset.worker_config
         self._options = _options(**options)
+        self._last: Delivery | None = None
 
-    def __iter__(self):
-        return Delivery(self.dataset, self.dataset.layout(), self._options)
+    def __iter__(self) -> Delivery:
+        last, reuse = self._last, None
+        if last is not None and last.workers and self._options["persistent_workers"]:
+            last.superseded = True
+            if not last.restarted:  # a pass that started its workers again began mid-way: not reusable
+                reuse = (last.loader, last.source, last.iterator)
+        self._last = Delivery(self.dataset, self.dataset.layout(), self._options, reuse)
+        return self._last
 
     def __len__(self) -> int:
         return len(self.dataset)

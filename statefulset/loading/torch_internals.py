@@ -25,7 +25,7 @@ import torch
 
 from statefulset.errors import StatefulsetError
 
-TESTED = "torch 2.4 to 2.13"  # the floor is in pyproject.toml; CI runs the newest
+TESTED = "torch 2.4.1 and 2.13.0"  # the floor (pyproject.toml) and what CI runs
 ITERATOR_ATTRIBUTES = ("_timeout", "_workers", "_worker_pids_set", "_shutdown_workers", "_try_put_index")
 
 

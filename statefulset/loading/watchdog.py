@@ -8,13 +8,23 @@ default) the loader raises, since a worker silent that long is stuck, not slow.
 ``watchdog_initial_timeout_seconds`` is the period for the first batch of an iterator (worker
 start-up, cold caches); None means the same as ``watchdog_timeout_seconds``. A timeout of None
 turns the watchdog off (the wait is then bounded only by storage timeouts and retries).
+
+With ``num_workers=0`` the batches are built in the trainer process, where a stalled read would
+block the very thread that has to notice it. So while the watchdog is on, an
+:class:`InProcessSource` builds them on one helper thread, one batch per request (no read-ahead:
+the same batches, built at the same moments), and the trainer waits for each under the
+watchdog's bound. A build that never returns is left behind on its (daemon) thread when the
+watchdog raises. Measured cost: benchmarks/bench_watchdog_thread.py.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TypeVar
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from statefulset.errors import StatefulsetError
 
@@ -66,3 +76,43 @@ class Watchdog:
                     + ("" if self.fail_on_timeout else f" (gave up after {HARD_PERIODS} watchdog periods)")
                 )
             log.warning("statefulset watchdog: %s; still waiting (fail_on_timeout=True raises instead)", text)
+
+
+def _serve(iterator: Iterator[Any], requests: queue.SimpleQueue, results: queue.SimpleQueue) -> None:
+    while requests.get() is not None:
+        try:
+            results.put((True, next(iterator)))
+        except BaseException as exc:  # StopIteration too: the trainer raises whatever the build raised
+            results.put((False, exc))
+
+
+class InProcessSource:
+    """``next(iterator)`` on a helper thread, so that the trainer's wait for it can be bounded.
+
+    :meth:`get` is a watchdog ``get`` callable: it asks for the next item (once), then waits up
+    to ``period`` seconds for it, raising :class:`TimedOut` if it has not come (the request stays
+    pending: the next call waits for the same item). The thread ends when this object is
+    garbage-collected.
+    """
+
+    def __init__(self, iterator: Iterator[Any], name: str = "statefulset-batches") -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = False
+        thread = threading.Thread(target=_serve, args=(iterator, self._requests, self._results), name=name)
+        thread.daemon = True  # a build stuck in storage must not keep the trainer from exiting
+        thread.start()
+        weakref.finalize(self, self._requests.put, None)
+
+    def get(self, period: float | None) -> Any:
+        if not self._pending:
+            self._requests.put(True)
+            self._pending = True
+        try:
+            ok, value = self._results.get(timeout=period)
+        except queue.Empty:
+            raise TimedOut from None
+        self._pending = False
+        if not ok:
+            raise value
+        return value

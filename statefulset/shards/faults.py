@@ -100,6 +100,15 @@ def describe(url: str, exc: BaseException, attempts: int = 1) -> StatefulsetErro
     return StatefulsetError(f"{url}: {what}{tried}; cause: {cause}")
 
 
+def changed_error(url: str, opened: str, now: str = "") -> StatefulsetError:
+    """The error for an object or file that is no longer the version a job opened (review C4)."""
+    found = f", now {now}" if now else ""
+    return StatefulsetError(
+        f"{url}: changed since it was opened (opened as {opened}{found}); its tokens would differ from the ones "
+        "already read, so the job stops: restore the original, or restart the job to read the new version"
+    )
+
+
 def retry_policy() -> tuple[int, float]:
     """(retries after the first attempt, total seconds) from the environment."""
     return settings.STORAGE_RETRIES.get(), settings.STORAGE_RETRY_SECONDS.get()

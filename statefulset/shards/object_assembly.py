@@ -13,17 +13,24 @@ store copies, this machine only says what goes where. The store's rules shape th
   of parts by 10,000; the bytes are copied once more per level, on the store).
 
 :func:`plan_parts` is pure (hypothesis-tested); :func:`assemble` runs a plan with an s3fs filesystem.
+Every request is retried on transient faults (:func:`statefulset.shards.faults.with_retries`, bounded
+and logged): an assembly of 10,000 parts must not end on one 503. Each is idempotent or made so:
+a part is sent again under its number, and a ``CompleteMultipartUpload`` whose answer was lost is
+recognised by the object's multipart ETag when the retry finds the upload gone.
 """
 
 from __future__ import annotations
 
+import binascii
 import contextlib
+import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from statefulset.errors import StatefulsetError
+from statefulset.shards.faults import with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +138,8 @@ def assemble(
     finally:
         for name in intermediates:
             try:
-                fs.rm_file(name)
-            except OSError as exc:  # left for the bucket's lifecycle rules; the shard is fine
+                with_retries(f"s3://{name}", lambda n=name: fs.rm_file(n), "remove")
+            except (OSError, StatefulsetError) as exc:  # left for the bucket's lifecycle rules; the shard is fine
                 logger.warning("statefulset: could not remove the intermediate object %s: %s", name, exc)
 
 
@@ -141,36 +148,76 @@ def _split(path: str) -> tuple[str, str]:
     return bucket, key
 
 
+def multipart_etag(part_etags: list[str]) -> str:
+    """The ETag S3 gives an object completed from parts with these ETags: the MD5 of their MD5s, ``-N``."""
+    digests = b"".join(binascii.unhexlify(e.strip('"')) for e in part_etags)
+    return f'"{hashlib.md5(digests).hexdigest()}-{len(part_etags)}"'
+
+
+def _complete(fs: Any, target: str, upload_id: str, done: list[dict[str, Any]]) -> None:
+    """``CompleteMultipartUpload``, retried. A retry that finds the upload gone (``NoSuchUpload``) after an
+    attempt whose answer was lost accepts the object only if its ETag is the one these parts make."""
+    bucket, key = _split(target)
+    url, attempts = f"s3://{target}", 0
+
+    def complete() -> None:
+        nonlocal attempts
+        attempts += 1
+        try:
+            fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                       MultipartUpload={"Parts": done})  # fmt: skip
+        except Exception as exc:
+            if attempts == 1 or "NoSuchUpload" not in f"{type(exc).__name__}: {exc}":
+                raise
+            fs.invalidate_cache(target)
+            found = fs.call_s3("head_object", Bucket=bucket, Key=key).get("ETag")
+            if found != multipart_etag([p["ETag"] for p in done]):
+                raise
+
+    with_retries(url, complete, "completion of the upload")
+
+
+def _send_part(fs: Any, target: str, upload_id: str, number: int, part: Part) -> str:
+    """Part ``number``'s ETag: copied by the store, or gathered here and uploaded; each request retried."""
+    bucket, key = _split(target)
+    url = f"s3://{target}"
+    args = {"Bucket": bucket, "Key": key, "UploadId": upload_id, "PartNumber": number}
+    if part.copy:
+        (r,) = part.ranges
+        source_bucket, source_key = _split(r.path)
+        done = with_retries(url, lambda: fs.call_s3(
+            "upload_part_copy", **args, CopySource={"Bucket": source_bucket, "Key": source_key},
+            CopySourceRange=f"bytes={r.start}-{r.end - 1}",
+        ), f"copy of part {number}")  # fmt: skip
+        return str(done["CopyPartResult"]["ETag"])
+    body = b"".join(
+        with_retries(f"s3://{r.path}", lambda r=r: fs.cat_file(r.path, start=r.start, end=r.end), "read")
+        for r in part.ranges
+    )
+    if len(body) != part.size:
+        raise StatefulsetError(f"read {len(body)} bytes of its sources, expected {part.size}")
+    sent = with_retries(url, lambda: fs.call_s3("upload_part", **args, Body=body), f"upload of part {number}")
+    return str(sent["ETag"])
+
+
 def _upload(fs: Any, target: str, parts: list[Part], report: Assembly) -> None:
     bucket, key = _split(target)
+    url = f"s3://{target}"
     if not parts:  # an empty shard: multipart needs a part
-        fs.pipe_file(target, b"")
+        with_retries(url, lambda: fs.pipe_file(target, b""), "write")
         return
     try:
-        upload_id = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        start = lambda: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)  # noqa: E731
+        upload_id = with_retries(url, start, "start of the upload")["UploadId"]
     except Exception as exc:  # botocore's errors do not share a base with OSError
         raise StatefulsetError(f"s3://{target}: cannot start a multipart upload: {exc}") from exc
 
     def send(number: int, part: Part) -> dict[str, Any]:
-        args = {"Bucket": bucket, "Key": key, "UploadId": upload_id, "PartNumber": number}
-        where = f"s3://{target}: part {number} of {len(parts)}"
         try:
-            if part.copy:
-                (r,) = part.ranges
-                source_bucket, source_key = _split(r.path)
-                done = fs.call_s3(
-                    "upload_part_copy", **args, CopySource={"Bucket": source_bucket, "Key": source_key},
-                    CopySourceRange=f"bytes={r.start}-{r.end - 1}",
-                )  # fmt: skip
-                return {"PartNumber": number, "ETag": done["CopyPartResult"]["ETag"]}
-            body = b"".join(fs.cat_file(r.path, start=r.start, end=r.end) for r in part.ranges)
-            if len(body) != part.size:
-                raise StatefulsetError(f"{where}: read {len(body)} bytes of its sources, expected {part.size}")
-            return {"PartNumber": number, "ETag": fs.call_s3("upload_part", **args, Body=body)["ETag"]}
-        except StatefulsetError:
-            raise
-        except Exception as exc:
+            return {"PartNumber": number, "ETag": _send_part(fs, target, upload_id, number, part)}
+        except Exception as exc:  # botocore's errors, and with_retries' StatefulsetError naming only the URL
             sources = ", ".join(f"s3://{r.path} [{r.start}, {r.end})" for r in part.ranges[:3])
+            where = f"s3://{target}: part {number} of {len(parts)}"
             raise StatefulsetError(f"{where} (from {sources}) failed: {exc}") from exc
 
     try:
@@ -180,11 +227,11 @@ def _upload(fs: Any, target: str, parts: list[Part], report: Assembly) -> None:
             done = [future.result() for future in futures]
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # after a failure, the rest are not sent
-        fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-                   MultipartUpload={"Parts": done})  # fmt: skip
+        _complete(fs, target, upload_id, done)
     except BaseException as exc:
         with contextlib.suppress(Exception):  # the first error is the one to report
-            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            abort = lambda: fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)  # noqa: E731
+            with_retries(url, abort, "abort of the upload")
         if isinstance(exc, StatefulsetError) or not isinstance(exc, Exception):
             raise
         raise StatefulsetError(f"s3://{target}: cannot complete the multipart upload: {exc}") from exc

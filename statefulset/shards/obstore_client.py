@@ -1,11 +1,12 @@
 """Ranged reads of ``s3://`` objects through obstore (Rust's ``object_store``), when it is installed.
 
-Measured on this project's 2-core machine against a loopback S3 server (docs/object-storage.md),
-s3fs spends ~2.8 ms of client CPU per ranged GET (botocore signs, parses and retries in Python),
-obstore ~0.4 ms. A training host's CPUs feed GPUs; a loader that needs one request per sample
-should not burn a core on them. So when ``obstore`` is importable (the ``s3`` extra installs it)
-and the spec's ``storage_options`` are ones it can honour, the ``.bin`` ranges of an ``s3://``
-object go through obstore; sizes, the ``.idx`` download and every other scheme stay on fsspec.
+s3fs spends several times obstore's client CPU per ranged GET (botocore signs, parses and retries
+in Python): an unrecorded profile on this project's 2-core machine gave ~2.8 against ~0.4 ms;
+``benchmarks/bench_request_cpu.py`` measures it (docs/object-storage.md). A training host's CPUs
+feed GPUs; a loader that needs one request per sample should not burn a core on them. So when
+``obstore`` is importable (the ``s3`` extra installs it) and the spec's ``storage_options`` are
+ones it can honour, the ``.bin`` ranges of an ``s3://`` object go through obstore; sizes, the
+``.idx`` download and every other scheme stay on fsspec.
 
 The same configuration reaches both: the endpoint (``endpoint_url``, ``client_kwargs``, or
 ``AWS_ENDPOINT_URL[_S3]``), the region, and credentials resolved by botocore exactly as s3fs
@@ -23,6 +24,7 @@ spawned workers, or workers of a trainer that never read a batch itself, use obs
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from statefulset import settings
@@ -107,10 +109,24 @@ def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
     return store, key
 
 
-def read_ranges(store: Any, key: str, starts: list[int], ends: list[int]) -> list[bytes]:
-    """The bytes of each ``[start, end)``, concurrent; ranges are already merged by the caller."""
+def gets(store: Any, key: str, etag: str, starts: list[int], ends: list[int]) -> list[Callable[[], Awaitable[bytes]]]:
+    """One ranged GET per ``[start, end)`` through obstore, pinned to ``etag`` (``If-Match``) when given;
+    run them with :func:`statefulset.shards.ranged_reads.run`."""
     import obstore
 
     global _started_in
     _started_in = os.getpid()
-    return [bytes(b) for b in obstore.get_ranges(store, key, starts=starts, ends=ends, coalesce=0)]
+
+    def make(start: int, end: int) -> Callable[[], Awaitable[bytes]]:
+        async def get() -> bytes:
+            if end <= start:
+                return b""
+            options: dict[str, Any] = {"range": (start, end)}
+            if etag:
+                options["if_match"] = etag
+            result = await obstore.get_async(store, key, options=options)
+            return bytes(await result.bytes_async())
+
+        return get
+
+    return [make(s, e) for s, e in zip(starts, ends, strict=True)]

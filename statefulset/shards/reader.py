@@ -124,6 +124,15 @@ class IndexedDataset:
         return self._bin_file
 
     @property
+    def bin_version(self) -> str:
+        """The ``.bin``'s version as opened: inode, size and mtime locally, ETag and size remotely."""
+        return self._bin_file.version
+
+    def check_unchanged(self) -> None:
+        """A StatefulsetError naming the ``.bin`` when it was replaced or rewritten since it was opened."""
+        self._bin_file.check_unchanged()
+
+    @property
     def is_remote(self) -> bool:
         """True when the ``.bin`` is on object storage (read by ranged requests)."""
         return not self._bin_file.is_local

@@ -6,7 +6,14 @@
 - **Few, concurrent requests**: :meth:`RemoteFile.read_ranges` sorts a batch's byte ranges,
   merges those that touch or lie within ``MERGE_GAP`` bytes of each other, and issues the rest
   at once through ``cat_ranges`` (concurrent on async filesystems).
-- **Faults**: every request goes through :func:`statefulset.shards.faults.with_retries`.
+- **Faults**: every request is retried on transient faults, bounded
+  (:func:`statefulset.shards.faults.with_retries`; S3 ranged reads one by one in
+  :mod:`statefulset.shards.ranged_reads`).
+- **One version**: S3 ranged reads carry ``If-Match`` with the ETag seen at open, so an object
+  overwritten mid-run is a named error, never tokens of the new version; other schemes compare
+  the object's version again when a process (a DataLoader worker) first reads it.
+- **A store that slows down slows the reader down**: S3 ranged reads share the process's request
+  limit (:mod:`statefulset.shards.throttle`), and merge ranges across wider gaps while it is cut.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import os
 from typing import IO, Any
 
 from statefulset.errors import StatefulsetError
-from statefulset.shards import obstore_client
-from statefulset.shards.faults import describe, with_retries
+from statefulset.shards import obstore_client, ranged_reads
+from statefulset.shards.faults import changed_error, describe, with_retries
+from statefulset.shards.throttle import limiter
 
 # Ranges closer than this are read as one request: one round trip costs more than ~64 KiB of
 # extra transfer on any object store (10-50 ms first-byte latency against 100+ MB/s).
@@ -99,6 +107,11 @@ def object_version(info: dict[str, Any]) -> str:
     return f"size={info['size']}"
 
 
+def limiter_gap(loop: Any) -> int:
+    """The merge gap for requests run in ``loop``: ``MERGE_GAP``, wider while the store is throttling."""
+    return limiter(loop).merge_gap(MERGE_GAP, MAX_REQUEST // 4)
+
+
 class RemoteFile:
     """A read-only object: ``size``, ``read``, ``read_ranges``, ``open``; safe to pickle and fork."""
 
@@ -118,12 +131,29 @@ class RemoteFile:
             raise StatefulsetError(f"{url}: not an object (a folder or prefix)")
         self.size = int(info["size"])
         self.ukey = object_version(info)
+        # S3: every ranged GET is pinned to this ETag (If-Match).
+        self.etag = str(info.get("ETag") or "") if self._s3 else ""
+
+    @property
+    def _s3(self) -> bool:
+        return self.url.split("://", 1)[0] in _S3_SCHEMES
 
     def _filesystem(self) -> tuple[Any, str]:
         if self._pid != os.getpid():
+            inherited = self._pid != -1 or hasattr(self, "ukey")  # a worker's first use, not the opening
             self._fs, self._path = open_filesystem(self.url, self.storage_options)
             self._pid = os.getpid()
+            if inherited and not self.etag:
+                self.check_unchanged()
         return self._fs, self._path
+
+    def check_unchanged(self) -> None:
+        """A StatefulsetError when the object is no longer the version opened (one metadata request)."""
+        fs, path = self._filesystem()
+        fs.invalidate_cache(path)
+        now = object_version(self._call(lambda: fs.info(path), "info"))
+        if now != self.ukey:
+            raise changed_error(self.url, self.ukey, now)
 
     def _object_store(self) -> Any:
         if self._store_pid != os.getpid():
@@ -155,25 +185,55 @@ class RemoteFile:
         """The bytes of every range, with the fewest requests, all in flight at once."""
         if not offsets:
             return []
-        requests, which = coalesce(offsets, sizes)
+        if self._s3:
+            blocks, requests, which = self._read_s3(offsets, sizes)
+        else:
+            requests, which = coalesce(offsets, sizes)
+            blocks = self._read_fsspec(requests)
+        out = []
+        for i, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
+            block = blocks[which[i]]
+            lo = requests[which[i]][0]
+            data = block[offset - lo : offset - lo + size]
+            if len(data) != size:
+                raise StatefulsetError(
+                    f"{self.url}: read of {size} bytes at {offset} returned {len(data)}: object truncated?"
+                )
+            out.append(data)
+        return out
+
+    def _read_s3(self, offsets: list[int], sizes: list[int]) -> tuple[list[bytes], list[tuple[int, int]], list[int]]:
+        """Pinned, limited, one-by-one retried GETs (:mod:`statefulset.shards.ranged_reads`)."""
         fast = self._fast and obstore_client.usable()
         if fast:
-            store = self._object_store()
-            fs, path = None, ""
+            import fsspec.asyn
+
+            store, loop = self._object_store(), fsspec.asyn.get_loop()
         else:
             fs, path = self._filesystem()
+            loop = fs.loop
+        gap = limiter_gap(loop)
+        requests, which = coalesce(offsets, sizes, gap)
+        starts, ends = [r[0] for r in requests], [r[1] for r in requests]
+        if fast:
+            gets = obstore_client.gets(store, self._key, self.etag, starts, ends)
+        else:
+            gets = ranged_reads.s3fs_gets(fs, path, self.etag, starts, ends)
+        self.requests += len(gets)
+        return ranged_reads.run(loop, self.url, self.etag, gets), requests, which
+
+    def _read_fsspec(self, requests: list[tuple[int, int]]) -> list[bytes]:
+        """Other schemes: fsspec's ``cat_ranges``, the failed requests sent again (bounded)."""
+        fs, path = self._filesystem()
         pending = list(range(len(requests)))
-        got: list[bytes | None] = [None] * len(requests)
+        got: list[bytes] = [b""] * len(requests)
 
         def fetch() -> None:
-            # Only the requests that failed are sent again.
             starts = [requests[k][0] for k in pending]
             ends = [requests[k][1] for k in pending]
             self.requests += len(pending)
-            if fast:
-                answers: list[Any] = obstore_client.read_ranges(store, self._key, starts, ends)
-            elif len(pending) == 1:
-                answers = [fs.cat_file(path, start=starts[0], end=ends[0])]
+            if len(pending) == 1:
+                answers: list[Any] = [fs.cat_file(path, start=starts[0], end=ends[0])]
             else:
                 answers = fs.cat_ranges([path] * len(pending), starts, ends, on_error="return")
             failed = []
@@ -187,17 +247,7 @@ class RemoteFile:
                 raise failed[0][1]
 
         self._call(fetch, "read")
-        out = []
-        for i, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
-            block = got[which[i]]
-            lo = requests[which[i]][0]
-            data = block[offset - lo : offset - lo + size]  # type: ignore[index]
-            if len(data) != size:
-                raise StatefulsetError(
-                    f"{self.url}: read of {size} bytes at {offset} returned {len(data)}: object truncated?"
-                )
-            out.append(data)
-        return out
+        return got
 
     def download(self, local_path: str) -> None:
         """Copy the whole object to ``local_path`` (the caller makes that atomic)."""

@@ -15,6 +15,7 @@ import stat
 from typing import IO, Any
 
 from statefulset.errors import StatefulsetError
+from statefulset.shards.faults import changed_error
 from statefulset.shards.remote import RemoteFile, open_filesystem
 
 
@@ -45,6 +46,11 @@ def map_file(path: str) -> mmap.mmap | bytes:
         raise StatefulsetError(f"{path}: cannot map: {exc}") from exc
 
 
+def _file_version(info: os.stat_result) -> str:
+    """What changes when a local file is replaced or rewritten."""
+    return f"inode={info.st_dev}:{info.st_ino}:size={info.st_size}:mtime_ns={info.st_mtime_ns}"
+
+
 class ShardFile:
     """One read-only file, local or remote; sizes and reads never go through Python loops."""
 
@@ -55,16 +61,33 @@ class ShardFile:
         if self._local is None:
             self.remote = RemoteFile(path, storage_options)
             self.size = self.remote.size
+            self.version = self.remote.ukey
             return
-        try:
-            info = os.stat(self._local)
-        except FileNotFoundError:
-            raise StatefulsetError(f"{path}: no such file") from None
-        except OSError as exc:
-            raise StatefulsetError(f"{path}: cannot read: {exc}") from exc
+        info = self._stat()
         if not stat.S_ISREG(info.st_mode):
             raise StatefulsetError(f"{path}: not a regular file")
         self.size = info.st_size
+        self.version = _file_version(info)
+
+    def _stat(self) -> os.stat_result:
+        try:
+            return os.stat(self._local)  # type: ignore[arg-type]
+        except FileNotFoundError:
+            raise StatefulsetError(f"{self.path}: no such file") from None
+        except OSError as exc:
+            raise StatefulsetError(f"{self.path}: cannot read: {exc}") from exc
+
+    def check_unchanged(self) -> None:
+        """A StatefulsetError naming the file when it is no longer the version opened: locally a new
+        inode, size or modification time (one ``stat``); remotely what :meth:`RemoteFile.check_unchanged`
+        compares, for objects whose reads are not pinned by ETag (S3's are, request by request)."""
+        if self.remote is not None:
+            if not self.remote.etag:
+                self.remote.check_unchanged()
+            return
+        now = _file_version(self._stat())
+        if now != self.version:
+            raise changed_error(self.path, self.version, now)
 
     @property
     def is_local(self) -> bool:

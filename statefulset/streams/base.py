@@ -18,6 +18,7 @@ import numpy
 from statefulset.errors import SequenceIndexError, StatefulsetError
 from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.one_pass import OnePassBlend
+from statefulset.shards.faults import changed_error
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.documents import Pieces, merge_pieces
@@ -28,6 +29,15 @@ EXTRA = 1
 # Batches up to this many samples are planned on Python ints, larger gathers with numpy.
 _LIST_PLAN_MAX_SAMPLES = 64
 _THIS_AND_NEXT = numpy.array([0, 1], dtype=numpy.int64)
+
+
+def reopen_pinned(reopen: Any, spec: DatasetSpec, split: str, pins: list[tuple[str, str]]) -> SampleStream:
+    """The stream reopened in another process, refused when a ``.bin`` is not the version the first opened."""
+    stream = reopen(spec, split)
+    for (path, opened), dataset in zip(pins, stream.shards, strict=True):
+        if dataset.bin_version != opened:
+            raise changed_error(path, opened, dataset.bin_version)
+    return stream
 
 
 class SampleStream:
@@ -59,14 +69,24 @@ class SampleStream:
         # the order of identity["shards"]; and "data" as statefulset 0.1.0 computed it (.idx only).
         self.source_prefixes: list[str] = []
         self.legacy_data: str | None = None
+        # The shards read, set by streams.opening: a worker (forked or reopened) checks that each
+        # .bin is still the version opened here, so that no batch mixes tokens of two versions.
+        self.shards: list[IndexedDataset] = []
 
     def __len__(self) -> int:
         return self._length
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Workers started with spawn/forkserver reopen the stream (cached indices are mmapped)
-        # instead of receiving pickled index arrays.
-        return (self.reopen, (self.spec, self.split))
+        # instead of receiving pickled index arrays, and check they reopened the same .bin versions.
+        pins = [(d.path_prefix + ".bin", d.bin_version) for d in self.shards]
+        return (reopen_pinned, (self.reopen, self.spec, self.split, pins))
+
+    def check_unchanged(self) -> None:
+        """A StatefulsetError naming the first ``.bin`` replaced or rewritten since this stream opened it
+        (a ``stat`` per local shard; S3 objects are checked by every read instead)."""
+        for dataset in self.shards:
+            dataset.check_unchanged()
 
     def __getitem__(self, position: int) -> dict[str, Any]:
         try:

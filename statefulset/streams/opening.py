@@ -152,6 +152,7 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     # What "data" was before identities covered the .bin (statefulset 0.1.0): such states restore
     # when their .idx, ranges and weights match (statefulset.loading.state.check_identity).
     stream.legacy_data = _sources_digest([{"idx_digest": d.idx} for d in found], ranges, live)
+    stream.shards = list(datasets)
     return stream
 
 

@@ -9,12 +9,18 @@ Shards are written with a local rename (atomic), so an output on object storage 
 local staging folder and uploaded, ``.bin`` first and ``.idx`` last: a reader never sees an index
 without its data. One object ``put`` is atomic on object stores, which is what a committed part
 (:mod:`statefulset.tools.part_tasks`) relies on.
+
+Every request to a store goes through :func:`statefulset.shards.faults.with_retries` (bounded in
+attempts and seconds, each retry logged with what it was and the URL): the clients' own retries are
+off (:func:`statefulset.shards.remote.open_filesystem`), so without it one 503 ``SlowDown`` would end
+a run of hours. Reads of an opened object are retried from the position the read began at.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import io
 import os
 import shutil
 import tempfile
@@ -22,6 +28,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from statefulset.errors import StatefulsetError
+from statefulset.shards.faults import with_retries
 from statefulset.shards.names import natural_key
 from statefulset.shards.remote import object_version, open_filesystem
 
@@ -48,13 +55,67 @@ def _unstrip(url: str, path: str) -> str:
     return path if "://" in path else f"{_protocol(url)}://{path}"
 
 
+class RetryingFile(io.RawIOBase):
+    """An opened object whose reads are retried (bounded) on transient faults: each attempt starts
+    again from the position the read began at, so a retried read returns exactly the bytes it
+    would have returned the first time."""
+
+    def __init__(self, url: str, raw: Any) -> None:
+        super().__init__()
+        self.url = url
+        self._raw = raw
+
+    def _retried(self, what: str, call: Any) -> Any:
+        start = self._raw.tell()
+
+        def attempt() -> Any:
+            self._raw.seek(start)
+            return call()
+
+        return with_retries(self.url, attempt, what)
+
+    def read(self, size: int | None = -1) -> bytes:
+        return self._retried("read", lambda: self._raw.read(-1 if size is None else size))
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(memoryview(buffer).nbytes)
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
+
+    def readline(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:  # fsspec's readline takes no size
+            return self._retried("read", lambda: self._raw.readline())
+        return self._retried("read", lambda: self._raw.readline(size))
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return int(self._raw.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self._raw.tell())
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    @property
+    def size(self) -> int:
+        return int(self._raw.size)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._raw.close()
+        super().close()
+
+
 def open_read(path: str) -> IO[bytes]:
     """A seekable binary file object, naming the path when it cannot be opened."""
     try:
         if not is_url(path):
             return open(_local(path), "rb")
         fs, fs_path = _fs(path)
-        return fs.open(fs_path, "rb")
+        return RetryingFile(path, with_retries(path, lambda: fs.open(fs_path, "rb"), "open"))  # type: ignore[return-value]
     except (OSError, ValueError) as exc:
         raise StatefulsetError(f"{path}: cannot read: {exc}") from exc
 
@@ -64,7 +125,7 @@ def size(path: str) -> int:
         if not is_url(path):
             return os.path.getsize(_local(path))
         fs, fs_path = _fs(path)
-        return int(fs.size(fs_path))
+        return int(with_retries(path, lambda: fs.size(fs_path), "size"))
     except (OSError, ValueError) as exc:
         raise StatefulsetError(f"{path}: cannot read its size: {exc}") from exc
 
@@ -75,7 +136,7 @@ def version(path: str) -> list[Any]:
         st = os.stat(_local(path))
         return [os.path.abspath(_local(path)), st.st_size, st.st_mtime_ns]
     fs, fs_path = _fs(path)
-    return [path, object_version(fs.info(fs_path))]
+    return [path, object_version(with_retries(path, lambda: fs.info(fs_path), "info"))]
 
 
 def expand(inputs: list[str] | tuple[str, ...]) -> list[str]:
@@ -97,11 +158,11 @@ def expand(inputs: list[str] | tuple[str, ...]) -> list[str]:
         fs, fs_path = _fs(item)
         try:
             if pattern:
-                found = sorted(fs.glob(fs_path), key=natural_key)
+                found = sorted(with_retries(item, lambda f=fs, p=fs_path: f.glob(p), "list"), key=natural_key)
                 if not found:
                     raise StatefulsetError(f"{item}: the pattern matches no object")
                 paths += [_unstrip(item, p) for p in found]
-            elif fs.isfile(fs_path):
+            elif with_retries(item, lambda f=fs, p=fs_path: f.isfile(p), "info"):
                 paths.append(item)
             else:
                 raise StatefulsetError(f"{item}: no such input object")
@@ -136,23 +197,27 @@ class Folder:
             local = _local(self.path)
             return os.listdir(local) if os.path.isdir(local) else []
         self._fresh()
-        try:
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._fs.ls(self._fs_path, detail=False)]
-        except FileNotFoundError:
-            return []
+
+        def listing() -> list[str]:
+            try:
+                return list(self._fs.ls(self._fs_path, detail=False))
+            except FileNotFoundError:
+                return []
+
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in with_retries(self.path, listing, "list")]
 
     def read_text(self, name: str) -> str:
         if not self.remote:
             with open(_local(self.join(name))) as f:
                 return f.read()
         self._fresh()
-        return self._fs.cat_file(f"{self._fs_path}/{name}").decode()
+        return with_retries(self.join(name), lambda: self._fs.cat_file(f"{self._fs_path}/{name}"), "read").decode()
 
     def exists(self, name: str) -> bool:
         if not self.remote:
             return os.path.exists(_local(self.join(name)))
         self._fresh()
-        return bool(self._fs.exists(f"{self._fs_path}/{name}"))
+        return bool(with_retries(self.join(name), lambda: self._fs.exists(f"{self._fs_path}/{name}"), "info"))
 
     def write_text(self, name: str, text: str) -> None:
         """Atomic: a rename locally, one ``put`` of the whole object remotely."""
@@ -162,7 +227,7 @@ class Folder:
                 f.write(text)
             os.replace(target + ".tmp", target)
             return
-        self._fs.pipe_file(f"{self._fs_path}/{name}", text.encode())
+        with_retries(self.join(name), lambda: self._fs.pipe_file(f"{self._fs_path}/{name}", text.encode()), "write")
 
     @contextlib.contextmanager
     def local_shard(self, name: str, exts: tuple[str, ...] = (".bin", ".idx")) -> Iterator[str]:
@@ -175,7 +240,8 @@ class Folder:
         folder = tempfile.mkdtemp(prefix="statefulset-part-")
         try:
             for ext in exts:
-                self._fs.get_file(f"{self._fs_path}/{name}{ext}", os.path.join(folder, name + ext))
+                source, local = f"{self._fs_path}/{name}{ext}", os.path.join(folder, name + ext)
+                with_retries(self.join(name + ext), lambda s=source, d=local: self._fs.get_file(s, d), "download")
             yield os.path.join(folder, name)
         except OSError as exc:
             raise StatefulsetError(f"{self.join(name)}: cannot download the part: {exc}") from exc
@@ -190,8 +256,12 @@ class Folder:
         if not self.remote:
             shutil.rmtree(_local(self.path), ignore_errors=True)
             return
-        with contextlib.suppress(FileNotFoundError):
-            self._fs.rm(self._fs_path, recursive=True)
+
+        def remove() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.rm(self._fs_path, recursive=True)
+
+        with_retries(self.path, remove, "remove")
 
 
 def copying_store(prefix: str) -> tuple[Any, str] | None:
@@ -221,7 +291,7 @@ class StagedOutput:
         fs, fs_path = _fs(self.prefix)
         try:
             for ext in exts:
-                fs.put_file(self.local + ext, fs_path + ext)
+                with_retries(self.prefix + ext, lambda e=ext: fs.put_file(self.local + e, fs_path + e), "upload")
         except OSError as exc:
             raise StatefulsetError(f"{self.prefix}: cannot upload the shard: {exc}") from exc
         finally:
@@ -230,3 +300,22 @@ class StagedOutput:
     def discard(self) -> None:
         if self._folder:
             shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def discard_all(writers: dict[str, Any], staged: dict[str, StagedOutput]) -> None:
+    """Drop every key's output: the writers' temporaries and the local staging of remote outputs."""
+    for key, writer in writers.items():
+        writer.abort()  # nothing to do for a writer already closed
+        staged[key].discard()
+
+
+def publish_all(writers: dict[str, Any], staged: dict[str, StagedOutput]) -> None:
+    """Close each key's writer and publish its output; when one fails, every key's staging goes, not
+    only the failed one's (5cf6a81 left the later keys' staged corpora on local disk), then it raises."""
+    try:
+        for key, writer in writers.items():
+            writer.close()
+            staged[key].publish()
+    except BaseException:
+        discard_all(writers, staged)
+        raise

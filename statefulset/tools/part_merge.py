@@ -88,17 +88,21 @@ class OrderedMerge:
             self.sources[key].append((self.parts.fs_path(name + ".bin"), size))
 
     def publish(self) -> None:
+        """Every key's output, or (when one key's upload or assembly fails) none's staging left behind."""
+        try:
+            self._publish()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _publish(self) -> None:
         for key, writer in self.writers.items():
             writer.close()
             if not self.on_store:
                 self.staged[key].publish()
                 continue
             fs, target = locations.copying_store(self.result.outputs[key] + ".bin")  # type: ignore[misc]
-            try:
-                done = assemble(fs, target, self.sources[key], self.parts.fs_path(f"assembly-{key}"))
-            except BaseException:
-                self.staged[key].discard()
-                raise
+            done = assemble(fs, target, self.sources[key], self.parts.fs_path(f"assembly-{key}"))
             self.staged[key].publish((".idx",))  # the index last: never one without its tokens
             self.result.store_copied += done.copied
             self.result.store_uploaded += done.uploaded

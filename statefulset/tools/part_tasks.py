@@ -31,11 +31,12 @@ from typing import Any
 
 from statefulset.errors import StatefulsetError
 from statefulset.shards.writer import IndexedDatasetWriter
-from statefulset.tools import locations
+from statefulset.tools import fault_gate, locations
 from statefulset.tools import preprocess as local
 from statefulset.tools.locations import Folder, StagedOutput
 from statefulset.tools.part_merge import DONE, OrderedMerge, committed_numbers, part_name
 from statefulset.tools.progress import Progress
+from statefulset.tools.ray_guardian import RayGuardian
 from statefulset.tools.worker_pool import no_news_limit
 
 logger = logging.getLogger("statefulset")
@@ -146,6 +147,7 @@ def _units(task: Task, chunk_bytes: int) -> Iterator[Any]:
 def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) -> dict[str, Any]:
     """Tokenise one task into its committed part; returns (and leaves) its summary."""
     local.ensure_worker(init_args)  # set up again when this run's settings differ from an earlier run's (C2)
+    fault_gate.hold(task.number)  # tests only: a kill lands while later tasks are held
     keys, dtype = init_args[1], init_args[3]
     parts = Folder(parts_path)
     staged = {k: StagedOutput(parts.join(f"{part_name(task.number)}_{k}_document")) for k in keys}
@@ -172,13 +174,9 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
             )
             summary["bytes"] += chunk.nbytes
     except BaseException:
-        for key, writer in writers.items():
-            writer.abort()
-            staged[key].discard()
+        locations.discard_all(writers, staged)
         raise
-    for key, writer in writers.items():
-        writer.close()
-        staged[key].publish()
+    locations.publish_all(writers, staged)
     summary["peak_rss"] = _peak_rss()
     summary["node"] = _node_id()
     parts.write_text(part_name(task.number) + DONE, json.dumps(summary))  # the part is committed
@@ -242,17 +240,23 @@ def ray_session(address: str | None) -> Iterator[Any]:
         import ray
     except ImportError:
         raise StatefulsetError("--executor ray needs ray: pip install 'statefulset[ray]'") from None
-    started_here = not ray.is_initialized()
-    if started_here:
+    if ray.is_initialized():
+        yield ray
+        return
+    # A local Ray started here ends with this process, however it ends (tools/ray_guardian.py).
+    guardian = RayGuardian.start() if address is None else None
+    try:
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         except (ConnectionError, ValueError, RuntimeError) as exc:
             raise StatefulsetError(f"--ray-address {address}: cannot connect to the Ray cluster: {exc}") from None
-    try:
-        yield ray
-    finally:
-        if started_here:
+        try:
+            yield ray
+        finally:
             ray.shutdown()
+    finally:
+        if guardian is not None:
+            guardian.stop()
 
 
 def run_tasks(
@@ -272,6 +276,7 @@ def run_tasks(
     shared = ray.put(init_args)  # the tokenizer's text, stored once rather than sent with every task
     pending: dict[Any, Task] = {}
     nodes: set[str] = set()
+    completed = False
     try:
         limit = no_news_limit()
         last_news = last_log = time.monotonic()
@@ -306,8 +311,9 @@ def run_tasks(
                 progress.note = f"{len(committed)}/{len(tasks)} tasks"
                 progress.update(summary["documents"], sum(summary["tokens"].values()), summary["bytes"])
             merge.advance(committed)
+        completed = True
     finally:
-        progress.close()
+        progress.close(completed)
         for ref in pending:  # stopped early: nothing of this run keeps running on the cluster
             ray.cancel(ref, force=True)
     merge.result.ray_nodes = len(nodes)
@@ -352,7 +358,7 @@ def preprocess_ray(
         except BaseException:
             merge.abort()
             raise
-    merge.publish()
+    merge.publish()  # on failure it drops every key's staging itself; the committed parts stay for a rerun
     parts.remove()
     result.seconds = time.perf_counter() - began
     return result

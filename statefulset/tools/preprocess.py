@@ -469,15 +469,11 @@ def preprocess(
             result.documents += encoded.documents
             progress.update(encoded.documents, tokens, encoded.nbytes)
     except BaseException:
-        for key, writer in writers.items():
-            writer.abort()
-            staged[key].discard()
+        progress.close(completed=False)
+        locations.discard_all(writers, staged)
         raise
-    finally:
-        progress.close()
-    for key, writer in writers.items():
-        writer.close()
-        staged[key].publish()
+    progress.close()
+    locations.publish_all(writers, staged)
     result.input_bytes = progress.bytes
     result.seconds = progress.seconds
     return result

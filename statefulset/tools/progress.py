@@ -68,21 +68,28 @@ class Progress:
             self._last_line = now
             self._line()
 
-    def _line(self, final: bool = False) -> None:
-        done = f"{self.bytes / self.total_bytes:.0%} of input, " if self.total_bytes else ""
+    def _line(self, end: str = "") -> None:
+        shown = self.total_bytes if end.startswith("done") else self.bytes
+        done = f"{shown / self.total_bytes:.0%} of input, " if self.total_bytes else ""
         print(
             f"{self._description}: {done}{self.documents:,} docs, {self.tokens:,} tokens, {self.rates()}"
             + (f", {self.note}" if self.note else "")
-            + (f", done in {self.seconds:.1f} s" if final else ""),
+            + (f", {end}" if end else ""),
             file=self._stream,
             flush=True,
         )
 
-    def close(self) -> None:
+    def close(self, completed: bool = True) -> None:
+        """The last line or bar: 100% and "done" when the job read all its input (a Parquet file's
+        footer is input no unit counts), else what it reached and "stopped" (an error, Ctrl-C)."""
         if self._bar is not None:
+            if completed and self.total_bytes:
+                self._bar.update(max(self.total_bytes - self._bar.n, 0))
+            elif not completed:
+                self._bar.set_description(f"{self._description} (stopped)", refresh=True)
             self._bar.close()
         elif self._enabled:
-            self._line(final=True)
+            self._line(f"done in {self.seconds:.1f} s" if completed else f"stopped after {self.seconds:.1f} s")
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -1,0 +1,191 @@
+"""Generate the tables and machine lines of docs/benchmarks.md from the committed results files.
+
+A generated block in a page is delimited by markers; everything between them is replaced::
+
+    <!-- generated: machine object_storage -->
+    ...
+    <!-- end -->
+
+The first word after ``generated:`` names a generator below, the rest are its arguments. So a
+figure in the docs cannot drift from its run: ``tests/test_benchmarks_report.py`` fails when the
+page differs from what this script makes of ``benchmarks/results/``.
+
+    python benchmarks/report.py           # rewrite docs/benchmarks.md
+    python benchmarks/report.py --check   # exit 1 if it is not current
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from provenance import RESULTS, machine_line  # noqa: E402
+
+ROOT = os.path.dirname(HERE)
+PAGES = [os.path.join(ROOT, "docs", "benchmarks.md")]
+BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
+
+
+def load(name: str) -> dict | None:
+    path = os.path.join(RESULTS, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def missing(name: str, command: str) -> str:
+    return f"Not recorded: `benchmarks/results/{name}.json` does not exist yet; to measure, run `{command}`.\n"
+
+
+def machine(name: str) -> str:
+    """The machine, versions, commit and date of one results file (and of each stamped section)."""
+    record = load(name)
+    if record is None:
+        return f"`benchmarks/results/{name}.json`: not recorded yet.\n"
+    lines = [f"`benchmarks/results/{name}.json`. {machine_line(record)}"]
+    for key, value in record.items():
+        if isinstance(value, dict) and "provenance" in value and key != "provenance":
+            lines.append(f"Section `{key}`: {machine_line(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def object_storage() -> str:
+    from bench_object_storage import markdown
+
+    record = load("object_storage")
+    return markdown(record) + "\n" if record else missing("object_storage", "python benchmarks/bench_object_storage.py")
+
+
+def preprocess_ray() -> str:
+    from bench_preprocess_ray import render
+
+    record = load("bench_preprocess_ray")
+    if record is None:
+        return missing("bench_preprocess_ray", "python benchmarks/bench_preprocess_ray.py")
+    return render(record, load("bench_preprocess_ray_400k")) + "\n"
+
+
+def worker_handoff() -> str:
+    record = load("quick_worker_throughput")
+    if record is None:
+        return missing("quick_worker_throughput", "python benchmarks/quick_worker_throughput.py")
+    rows = ["| workers | tokens/s, median (min–max) | ÷ 0 workers, median (min–max) of rounds |", "|---|---|---|"]
+    for w, r in record["tokens_per_s"].items():
+        q = record["over_0_workers"][w]
+        rows.append(f"| {w} | {r['median'] / 1e6:.1f}M ({r['min'] / 1e6:.1f}–{r['max'] / 1e6:.1f}M) | "
+                    f"{q['median']:.2f} ({q['min']:.2f}–{q['max']:.2f}) |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else ("0" if x == 0 else f"{100 * x:.4g}%")
+
+
+def packing(name: str = "bench_packing") -> str:
+    """Padding, cut and dropped shares per packing and corpus, each as computed by the script."""
+    record = load(name)
+    if record is None:
+        return missing(name, "python benchmarks/bench_packing.py")
+    rows = ["| corpus | packing | samples | windows | padding | fitting documents cut | tokens dropped |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for kind, entry in record["corpora"].items():
+        for label, r in entry["packings"].items():
+            cut, dropped = _pct(r.get("cut")), _pct(r.get("dropped"))
+            if not r.get("from_outputs"):  # runs before the fix wrote these two as constants
+                if label.startswith("OLMo-core"):
+                    cut = "not computed (written as 0 by that run's script)"
+                if label.startswith("bestfit (ours)"):
+                    dropped = "not computed (written as 0 by that run's script)"
+            rows.append(f"| {kind} (mean {entry['mean_length']:.0f}) | {label} | {r.get('samples', '—')} | "
+                        f"{r.get('windows', '—')} | {_pct(r.get('padding'))} | {cut} | {dropped} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def schedules() -> str:
+    record = load("bench_schedules")
+    if record is None:
+        return missing("bench_schedules", "python benchmarks/bench_schedules.py")
+
+    def ms(cell) -> str:
+        if isinstance(cell, dict):
+            return f"{1e3 * cell['median']:.2f} ({1e3 * cell['min']:.2f}–{1e3 * cell['max']:.2f})"
+        return f"{1e3 * cell:.2f} (best of 3)"
+
+    rows = ["| position | open, ms | one batch of 8, ms | `source_positions`, ms | Python peak, MB |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for position, r in record["ours"].items():
+        at = position if position == "no stages" else f"{int(position):,}"
+        rows.append(f"| {at} | {ms(r['open_s'])} | {ms(r['read_s'])} | {ms(r['source_positions_s'])} | "
+                    f"{r['python_peak_mb']:.1f} |")  # fmt: skip
+    anchor = record.get("megatron_core_blend") or {}
+    for size, r in anchor.items():
+        if r:
+            rows.append(f"\nmegatron-core blend index over {int(size):,} samples: build {ms(r['build_s'])}, "
+                        f"load once cached {ms(r['cached_load_s'])}.")  # fmt: skip
+    for size, seconds in (record.get("megatron_core_blend_build_s") or {}).items():
+        rows.append(f"\nmegatron-core blend index over {int(size):,} samples: build {1e3 * seconds:.0f} ms "
+                    "(one run; its cached load was not measured in this run).")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def request_cpu() -> str:
+    record = load("bench_request_cpu")
+    if record is None:
+        return missing("bench_request_cpu", "python benchmarks/bench_request_cpu.py")
+    from bench_request_cpu import markdown
+
+    return markdown(record) + "\n"
+
+
+GENERATORS: dict[str, Callable[..., str]] = {
+    "machine": machine,
+    "object_storage": object_storage,
+    "preprocess_ray": preprocess_ray,
+    "worker_handoff": worker_handoff,
+    "packing": packing,
+    "schedules": schedules,
+    "request_cpu": request_cpu,
+}
+
+
+def render(text: str) -> str:
+    """The page with every generated block made again from the results files."""
+
+    def replace(match: re.Match) -> str:
+        words = match.group(2).split()
+        if not words or words[0] not in GENERATORS:
+            raise SystemExit(f"docs: unknown generated block {match.group(2)!r} (known: {', '.join(GENERATORS)})")
+        return match.group(1) + GENERATORS[words[0]](*words[1:]) + match.group(4)
+
+    return BLOCK.sub(replace, text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page is not current")
+    args = parser.parse_args()
+    stale = []
+    for page in PAGES:
+        with open(page) as f:
+            text = f.read()
+        made = render(text)
+        if made != text:
+            stale.append(page)
+            if not args.check:
+                with open(page, "w") as f:
+                    f.write(made)
+    if args.check and stale:
+        sys.exit(f"not current (run python benchmarks/report.py): {', '.join(stale)}")
+    print("rewrote " + ", ".join(stale) if stale else "current")
+
+
+if __name__ == "__main__":
+    main()

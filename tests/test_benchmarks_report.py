@@ -1,0 +1,122 @@
+"""The benchmark figures in the docs come from committed results files, stamped with their provenance (issue 26).
+
+No timing here: these check the plumbing. docs/benchmarks.md is what ``benchmarks/report.py``
+makes of ``benchmarks/results/`` (as test_layout.py checks docs/settings.md), every benchmark
+script is in ``run_all.py``'s list and accepts its quick arguments, and a results file written
+through ``provenance.write_results`` names its commit, machine and versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import provenance  # noqa: E402
+import report  # noqa: E402
+import run_all  # noqa: E402
+
+
+def test_docs_benchmarks_is_generated_from_the_results():
+    for page in report.PAGES:
+        text = Path(page).read_text(encoding="utf-8")
+        assert report.render(text) == text, f"{page} is stale: run python benchmarks/report.py"
+
+
+def test_every_results_file_is_named_in_the_docs():
+    pages = "".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "docs").glob("*.md")))
+    for path in sorted((BENCH / "results").glob("*.json")):
+        assert path.name in pages, f"{path.name}: no page of docs/ names it (add it where its figures are quoted)"
+
+
+def test_machine_lines_come_from_the_files():
+    """The review's H3: a section said AMD EPYC while its file said Intel Xeon; now the line is the file's."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    for match in report.BLOCK.finditer(page):
+        words = match.group(2).split()
+        if words[0] == "machine":
+            record = report.load(words[1])
+            if record is not None and "environment" in record:
+                assert str(record["environment"]["cpu"]) in match.group(3), words[1]
+
+
+def test_write_results_stamps_one_run(tmp_path):
+    path = provenance.write_results("x", {"rows": {"a": 1}, "provenance": "ignored"}, extra=("numpy",),
+                                    path=str(tmp_path / "x.json"))  # fmt: skip
+    record = json.loads(Path(path).read_text())
+    prov = record["provenance"]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert prov["git"]["commit"] == head.strip()
+    assert isinstance(prov["git"]["dirty"], bool)
+    assert prov["machine"]["cores"] == os.cpu_count() and prov["machine"]["cpu"]
+    assert prov["versions"]["python"] and "numpy" in prov["versions"]
+    assert prov["date"].endswith("+00:00")
+    assert record["rows"] == {"a": 1}
+    provenance.write_results("x", {"rows": {"b": 2}}, path=path)
+    assert json.loads(Path(path).read_text())["rows"] == {"b": 2}  # replaced, never merged into
+    assert "Code: commit" in provenance.machine_line(record)
+
+
+def test_alternate_runs_in_turn_and_needs_three_runs():
+    order: list[str] = []
+    got = provenance.alternate({"a": lambda: order.append("a") or 1.0, "b": lambda: order.append("b") or 2.0})
+    assert order == ["a", "b"] * 3
+    assert got["b"]["median"] == 2.0 and got["a"]["runs"] == [1.0, 1.0, 1.0]
+    assert provenance.ratio(got["b"], got["a"])["median"] == 2.0
+    with pytest.raises(ValueError, match="at least 3"):
+        provenance.alternate({"a": lambda: 1.0}, runs=2)
+
+
+def test_every_benchmark_script_is_in_run_all():
+    unlisted = sorted(set(run_all.listed()) - set(run_all.SCRIPTS))
+    assert not unlisted, f"add to benchmarks/run_all.py SCRIPTS with their quick arguments: {unlisted}"
+    others = {p.name for p in BENCH.glob("*.py")} - set(run_all.SCRIPTS) - run_all.NOT_SCRIPTS
+    assert not others, f"benchmarks/ modules neither a script nor a helper in run_all.py: {sorted(others)}"
+
+
+PARSE_ONLY = """
+import argparse, json, runpy, sys, traceback
+class Parsed(Exception):
+    pass
+real = argparse.ArgumentParser.parse_args
+def parse(self, args=None, namespace=None):
+    real(self, args, namespace)
+    raise Parsed
+argparse.ArgumentParser.parse_args = parse
+sys.path.insert(0, BENCH)
+failed = {}
+for script, quick in SCRIPTS.items():
+    sys.argv = [BENCH + "/" + script, *quick]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        failed[script] = "ran past its argument parsing"
+    except Parsed:
+        pass
+    except SystemExit as e:
+        failed[script] = f"exit {e.code}"
+    except BaseException:
+        failed[script] = traceback.format_exc()[-2000:]
+print(json.dumps(failed))
+"""
+
+
+def test_quick_arguments_parse():
+    """Each script's quick arguments are accepted (argparse exits 2 on an unknown one); nothing runs.
+
+    The quick runs themselves take minutes on 2 shared cores, so CI checks their arguments (in one
+    process, each script run up to its ``parse_args``) and ``python benchmarks/run_all.py --quick``
+    runs them (docs/reading-benchmarks.md).
+    """
+    code = f"BENCH = {str(BENCH)!r}\nSCRIPTS = {run_all.SCRIPTS!r}\n" + PARSE_ONLY
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not failed, failed

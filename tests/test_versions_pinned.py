@@ -1,0 +1,124 @@
+"""A job reads one version of each ``.bin``: a file or object replaced under it is a named error (review C4).
+
+On S3 (moto, on loopback) every ranged GET carries ``If-Match`` with the ETag seen at open, through
+both clients; a local ``.bin`` is checked (inode, size, mtime) when a worker starts or restarts, when
+a stream is reopened in another process, and at each new pass of the trainer's own iteration
+(a running one keeps the file it mapped: the old inode, the original's tokens).
+Every batch handed out before the error is the original's.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import boto3
+import numpy
+import pytest
+import torch
+from s3_servers import moto_server, upload
+
+from statefulset import (
+    IndexedDatasetWriter,
+    StatefulsetError,
+    WorkerConfig,
+    get_savable_loader,
+    get_train_dataset,
+    open_stream,
+)
+
+BUCKET = "pinned"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with moto_server() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pinned")
+    rng = numpy.random.default_rng(3)
+    with IndexedDatasetWriter(root / "web", dtype=numpy.uint16) as w:
+        for _ in range(300):
+            w.add_document(rng.integers(0, 60000, int(rng.geometric(1 / 50))))
+    return root / "web"
+
+
+def _spec(prefix: str, cache, options=None) -> dict:
+    spec = {"data_path": prefix, "seq_length": 32, "split": "100,0,0", "packing": "native", "seed": 1,
+            "path_to_cache": str(cache)}  # fmt: skip
+    if options:
+        spec["storage_options"] = options
+    return spec
+
+
+def _other_version(path: str) -> bytes:
+    """The same size, other tokens: only the version tells them apart."""
+    with open(path, "rb") as f:
+        return bytes(255 - b for b in f.read())
+
+
+def _loader(spec: dict, workers: int):
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
+    return get_savable_loader(get_train_dataset(spec, batch_size=4, worker_config=wc), watchdog_timeout_seconds=120)
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_an_object_overwritten_mid_run_is_a_named_error_never_other_tokens(client, server, shard, tmp_path,
+                                                                           monkeypatch):  # fmt: skip
+    """Failed on 5cf6a81: the overwritten object's tokens came back with no error."""
+    monkeypatch.setenv("STATEFULSET_S3_CLIENT", client)
+    monkeypatch.setenv("STATEFULSET_REMOTE_CACHE", str(tmp_path / "node"))
+    key = f"{client}/web"
+    upload(server, BUCKET, {f"{key}.bin": f"{shard}.bin", f"{key}.idx": f"{shard}.idx"})
+    url = f"s3://{BUCKET}/{key}"
+    want = open_stream(_spec(str(shard), tmp_path / "c0"))
+    stream = open_stream(_spec(url, tmp_path / "c1", server.options()))
+    positions = numpy.arange(0, 60, 3)
+    numpy.testing.assert_array_equal(stream.gather(positions), want.gather(positions))
+    loader = _loader(_spec(url, tmp_path / "c2", server.options()), workers=1)
+    reference = iter(_loader(_spec(str(shard), tmp_path / "c3"), workers=0))
+    it = iter(loader)
+    for _ in range(3):
+        assert torch.equal(next(it)["text"], next(reference)["text"])
+    client_s3 = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.key,
+                             aws_secret_access_key=server.secret, region_name="us-east-1")  # fmt: skip
+    client_s3.put_object(Bucket=BUCKET, Key=f"{key}.bin", Body=_other_version(f"{shard}.bin"))
+    changed = rf"{url}\.bin: changed since it was opened"
+    with pytest.raises(StatefulsetError, match=changed):
+        stream.gather(positions)
+    with pytest.raises(StatefulsetError, match=changed):  # the worker reads ahead a bounded number of batches
+        for _ in range(200):
+            assert torch.equal(next(it)["text"], next(reference)["text"])  # the original's, until the error
+
+
+def test_a_local_bin_replaced_under_a_job_is_a_named_error_at_worker_start_and_reopen(shard, tmp_path):
+    """Failed on 5cf6a81: a reopened stream (spawn, forkserver) and a worker started after the replacement
+    read the new file's tokens."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{shard}{ext}", folder / f"web{ext}")
+    prefix = str(folder / "web")
+    spec = _spec(prefix, tmp_path / "cache")
+    stream = open_stream(spec)
+    trainer = _loader(spec, workers=0)
+    workers = _loader(spec, workers=1)
+    reference = iter(_loader(_spec(str(shard), tmp_path / "c3"), workers=0))
+    first = iter(trainer)
+    assert torch.equal(next(first)["text"], next(reference)["text"])
+    replacement = folder / "web.bin.new"
+    replacement.write_bytes(_other_version(f"{prefix}.bin"))
+    os.replace(replacement, f"{prefix}.bin")
+    changed = rf"{prefix}\.bin: changed since it was opened"
+    with pytest.raises(StatefulsetError, match=changed):
+        pickle.loads(pickle.dumps(stream))  # how a spawned worker reopens it
+    with pytest.raises(StatefulsetError, match=changed):
+        stream.check_unchanged()
+    with pytest.raises(StatefulsetError, match=rf"DataLoader worker 0.*{changed}"):
+        next(iter(workers))  # a worker started after the replacement
+    # The trainer's running iteration keeps the version it mapped (the old inode): the original's tokens.
+    assert torch.equal(next(first)["text"], next(reference)["text"])
