@@ -23,22 +23,13 @@ from importlib import metadata
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# This script's own folder would shadow the tests' ``campaign`` package with this file.
-sys.path[:] = [os.path.join(ROOT, "tests")] + [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+# This script's own folder would shadow the tests' ``campaign`` package with this file: it goes last.
+sys.path[:] = [os.path.join(ROOT, "tests")] + [p for p in sys.path if os.path.abspath(p or ".") != HERE] + [HERE]
 
-
-def _benchenv():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("benchenv", os.path.join(HERE, "benchenv.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
+import benchenv  # noqa: E402
 from campaign import draw  # noqa: E402
 from campaign.known import KNOWN  # noqa: E402
-from campaign.outcome import FINDINGS, HANG  # noqa: E402
+from campaign.outcome import FINDINGS  # noqa: E402
 from campaign.runner import Session, tally  # noqa: E402
 
 FIRST_SEED = 100_000
@@ -82,14 +73,28 @@ def coverage(cases: list[dict], results: list[dict]) -> dict:
     return {k: dict(sorted(v.items())) for k, v in sorted(dims.items())}
 
 
-def _deadline(text: str | None):
+def _deadline(text: str | None, grace_s: float = 0.0):
     if not text:
         return None
     now = time.gmtime()
     hour, minute = (int(x) for x in text.split(":"))
-    left = (hour * 60 + minute - now.tm_hour * 60 - now.tm_min) * 60 - now.tm_sec
+    left = (hour * 60 + minute - now.tm_hour * 60 - now.tm_min) * 60 - now.tm_sec + grace_s
     end = time.monotonic() + left
     return lambda: time.monotonic() > end
+
+
+def _rerun_timeouts(session: Session, cases: list[dict], results: list[dict], args, late) -> None:
+    """Each case that timed out once more, two at a time with 1.5 times the timeout (not after ``late``)."""
+    again = [(c, r) for c, r in zip(cases, results, strict=True) if "no result within" in r["detail"]]
+    if not again:
+        return
+    if late is not None and late():
+        for _, r in again:
+            r["rerun"] = "skipped: past the deadline"
+        return
+    session.timeout, session.jobs = 1.5 * args.timeout, min(2, args.jobs)
+    for (_, result), second in zip(again, session.run([c for c, _ in again]), strict=True):
+        result["rerun"] = second["verdict"]
 
 
 def rerun_findings(path: str, jobs: int, timeout: float) -> int:
@@ -98,7 +103,7 @@ def rerun_findings(path: str, jobs: int, timeout: float) -> int:
         report = json.load(f)
     seeds = [f["seed"] for f in report["findings"]]
     cases = [draw(seed, long_form=True) for seed in seeds]
-    head = _benchenv().git_state()["head"]
+    head = benchenv.git_state()["head"]
     with tempfile.TemporaryDirectory(prefix="campaign-rerun-") as root, Session(root, jobs=jobs, timeout=timeout) as s:
         results = s.run(cases)
     for finding, result in zip(report["findings"], results, strict=True):
@@ -150,13 +155,7 @@ def main() -> int:
         with Session(root, jobs=args.jobs, timeout=args.timeout, keep_findings=False) as session:
             results = session.run(cases, progress, stop=_deadline(args.deadline))
             cases = cases[: len(results)]
-            for case, result in zip(cases, results, strict=True):  # a timeout: once more, alone, twice as long
-                if result["verdict"] == HANG and "no result within" in result["detail"]:
-                    session.timeout = 2 * args.timeout
-                    session.jobs = 1
-                    again = session.run([case])[0]
-                    result["rerun"] = again["verdict"]
-                    session.timeout, session.jobs = args.timeout, args.jobs
+            _rerun_timeouts(session, cases, results, args, _deadline(args.deadline, grace_s=240))
     findings = [
         {"seed": c["seed"], **_summary(c), **{k: r[k] for k in r if k not in ("seed",)}}
         for c, r in zip(cases, results, strict=True)
@@ -168,8 +167,8 @@ def main() -> int:
     counts["new findings"] = len(findings) - counts["known"]
     report = {
         "benchmark": "campaign",
-        "git": _benchenv().git_state(),
-        "machine": _benchenv().environment(),
+        "git": benchenv.git_state(),
+        "machine": benchenv.environment(),
         "versions": _versions(),
         "args": {"cases": args.cases, "first_seed": args.first_seed, "jobs": args.jobs, "timeout_s": args.timeout},
         "seconds": round(time.time() - started, 1),
@@ -184,6 +183,8 @@ def main() -> int:
         "known_list": [{"item": k.item, "seen": k.seen} for k in KNOWN],
         "coverage": coverage(cases, results),
         "case_seconds": {
+            "cpu_median": sorted(r.get("cpu_s", 0) for r in results)[len(results) // 2],
+            "cpu_total": round(sum(r.get("cpu_s", 0) for r in results), 1),
             "median": sorted(r.get("seconds", 0) for r in results)[len(results) // 2],
             "max": max(r.get("seconds", 0) for r in results),
         },

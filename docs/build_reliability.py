@@ -14,6 +14,7 @@ PAGE = ROOT / "docs" / "reliability.md"
 RESULTS = ROOT / "benchmarks" / "results" / "campaign.json"
 BEGIN, END = "<!-- campaign-tally:begin (python docs/build_reliability.py) -->", "<!-- campaign-tally:end -->"
 COLUMNS = ("pass", "named_error", "hang", "silent_difference", "unnamed_error")
+LABELS = dict(zip(COLUMNS, ("passes", "named errors", "hangs", "silent differences", "unnamed errors"), strict=True))
 
 
 def table(report: dict) -> str:
@@ -23,10 +24,11 @@ def table(report: dict) -> str:
         f"Long form at commit `{git['head'][:12]}` on {machine['vcpus']} vCPUs ({machine['cpu']}), "
         f"python {machine['python']}, torch {machine['torch']}, moto {report['versions']['moto']}: "
         f"{t['cases']} cases in {report['seconds'] / 60:.0f} min, {report['args']['jobs']} at a time, "
-        f"hard timeout {report['args']['timeout_s']:g} s; a fault landed in {report['landed']} of "
+        f"hard timeout {report['args']['timeout_s']:g} s, median case {report['case_seconds']['median']:g} s "
+        f"({report['case_seconds']['cpu_median']:g} CPU s); a fault landed in {report['landed']} of "
         f"{report['faulted']} faulted cases.",
         "",
-        "| side | cases | " + " | ".join(c.replace("_", " ") + "s" for c in COLUMNS) + " |",
+        "| side | cases | " + " | ".join(LABELS[c] for c in COLUMNS) + " |",
         "|---|---:|" + "---:|" * len(COLUMNS),
     ]
     for kind, row in sorted(t["by_kind"].items()):

@@ -17,22 +17,10 @@ class Known:
     matches: Callable[[dict, dict], bool]
 
 
-def _silent(*faults: str) -> Callable[[dict, dict], bool]:
-    return lambda case, result: result["verdict"] == "silent_difference" and case["fault"] in faults
-
-
-KNOWN: list[Known] = [
-    Known(
-        "issue 24 §1: remote .bin reads are not pinned to the version opened (If-Match / version id)",
-        "an S3 .bin overwritten after the loader opened it: later batches carry the new object's tokens, no error",
-        _silent("replace_object"),
-    ),
-    Known(
-        "issue 24 §1: local files replaced under a running job (size/mtime/inode checks)",
-        "a local .bin rewritten in place or renamed over while the loader runs: other tokens, no error",
-        _silent("replace_inplace", "replace_rename"),
-    ),
-]
+# Emptied when the fixes landed: remote .bin reads pinned to the opened ETag, local files checked
+# against the opened inode/size/mtime, identity covering the .bin (the campaign's seeds 95, 179 and
+# 116 end with named errors since; they were silent differences before).
+KNOWN: list[Known] = []
 
 
 def known(case: dict, result: dict) -> Known | None:

@@ -64,6 +64,8 @@ def draw_load(rng: random.Random, long_form: bool) -> dict:
     if dp:
         workers = (rng.choice((0, 1)), rng.choice((0, 1)))  # ranks x workers on 2 cores
     storage = rng.choice(("local", "local", "local", "s3", "s3-proxy"))
+    if long_form and storage != "local" and rng.random() < 0.3:
+        storage = "local"  # the same economy as for preprocessing
     case = {
         "kind": "load",
         "packing": packing,

@@ -93,7 +93,8 @@ class Session:
                     "verdict": UNNAMED,
                     "detail": f"the case process ended with exit code {proc.exitcode} and no result",
                 }
-            strays = [p for p in members if p != proc.pid]
+            # A fork server the case started ends on its own once the case is gone: give it a moment.
+            strays = procs.wait_gone([p for p in procs.group_members(proc.pid) if p != proc.pid], 5)
             if strays:
                 result["strays"] = len(strays)
                 procs.kill_all(strays)
