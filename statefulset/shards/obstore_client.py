@@ -32,6 +32,9 @@ from statefulset import settings
 # storage_options keys obstore can honour; with any other key the reads stay on s3fs.
 _MAPPABLE = {"endpoint_url", "key", "secret", "token", "anon", "profile", "client_kwargs", "config_kwargs"}
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
+# botocore Config keys (storage_options["config_kwargs"]) obstore honours; with any other, reads stay on s3fs.
+# "retries" is statefulset's own business (statefulset.shards.ranged_reads), whatever the client.
+_CONFIG_KWARGS = {"connect_timeout", "read_timeout", "proxies", "s3", "region_name", "retries"}
 
 
 # The pid of the process that started obstore's runtime (inherited by forked children).
@@ -52,6 +55,9 @@ def wanted(url: str, storage_options: dict[str, Any] | None) -> bool:
     options = storage_options or {}
     if set(options) - _MAPPABLE or set(options.get("client_kwargs") or {}) - _CLIENT_KWARGS:
         return False
+    config = options.get("config_kwargs") or {}
+    if set(config) - _CONFIG_KWARGS or set(config.get("s3") or {}) - {"addressing_style"}:
+        return False
     try:
         import obstore  # noqa: F401
     except ImportError:
@@ -66,6 +72,36 @@ def _endpoint(options: dict[str, Any]) -> str | None:
         or os.environ.get("AWS_ENDPOINT_URL_S3")
         or os.environ.get("AWS_ENDPOINT_URL")
     )
+
+
+def _seconds(value: Any) -> str:
+    return f"{float(value):g}s"
+
+
+def client_settings(options: dict[str, Any], endpoint: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """obstore's S3 ``config`` additions and ``client_options`` for these storage options: the endpoint's
+    addressing style and botocore's ``config_kwargs`` (timeouts, proxies, addressing style, region)."""
+    kwargs = options.get("config_kwargs") or {}
+    config: dict[str, Any] = {}
+    if kwargs.get("region_name"):
+        config["region"] = kwargs["region_name"]
+    style = (kwargs.get("s3") or {}).get("addressing_style")
+    if style in ("virtual", "path"):
+        config["virtual_hosted_style_request"] = style == "virtual"
+    elif endpoint:  # botocore's "auto" with a custom endpoint: path-style, as s3fs sends it
+        config["virtual_hosted_style_request"] = False
+    client = {
+        "allow_http": bool(endpoint and endpoint.startswith("http://")),
+        "connect_timeout": _seconds(kwargs.get("connect_timeout", 10)),
+        "timeout": _seconds(kwargs.get("read_timeout", 60)),
+    }
+    proxies = kwargs.get("proxies") or {}
+    scheme = "http" if endpoint and endpoint.startswith("http://") else "https"
+    proxy = proxies.get(scheme) or proxies.get("https") or proxies.get("http")
+    if proxy:
+        client["proxy_url"] = proxy
+        client["allow_http"] = client["allow_http"] or proxy.startswith("http://")
+    return config, client
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
@@ -84,7 +120,8 @@ def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
     endpoint = _endpoint(options)
     if endpoint:
         config["endpoint"] = endpoint
-        config["virtual_hosted_style_request"] = False
+    extra_config, client_options = client_settings(options, endpoint)
+    config.update(extra_config)
     provider = None
     if options.get("anon"):
         config["skip_signature"] = True
@@ -100,11 +137,7 @@ def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
         credential_provider=provider,
         # statefulset.shards.faults retries (bounded); object_store would retry 10 times over 3 minutes.
         retry_config={"max_retries": 0},
-        client_options={
-            "allow_http": bool(endpoint and endpoint.startswith("http://")),
-            "connect_timeout": "10s",
-            "timeout": "60s",
-        },
+        client_options=client_options,
     )
     return store, key
 
