@@ -81,3 +81,43 @@ def test_four_workers_slow_down_to_what_a_throttling_store_serves(server, tmp_pa
         assert p.stats()["503s"] > 0  # the store did throttle
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
+
+
+_READER = """
+import json, sys
+from statefulset import IndexedDataset, WorkerConfig, get_savable_loader, get_train_dataset
+spec = json.loads(sys.argv[1])
+IndexedDataset(spec["data_path"], storage_options=spec["storage_options"])[1]  # the parent's own client
+wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+it = iter(get_savable_loader(get_train_dataset(spec, batch_size=8, worker_config=wc), multiprocessing_context="fork"))
+for _ in range(12):
+    next(it)
+print("read")
+"""
+
+
+@pytest.mark.parametrize("client", ["s3fs", "obstore"])
+def test_a_process_reading_s3_through_forked_workers_prints_nothing_of_its_clients(client, server, tmp_path):
+    """No "Task exception was never retrieved" / "attached to a different loop" from aiobotocore: forked
+    workers keep their parent's s3fs clients instead of closing them on a loop that does not run there."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    rng = numpy.random.default_rng(5)
+    prefix = tmp_path / "web"
+    with IndexedDatasetWriter(prefix, dtype=numpy.uint16) as w:
+        for _ in range(2000):
+            w.add_document(rng.integers(0, 60000, int(rng.geometric(1 / 100))))
+    upload(server, "corpus", {f"quiet/web{e}": f"{prefix}{e}" for e in (".bin", ".idx")})
+    env = {**os.environ, "STATEFULSET_S3_CLIENT": client, "STATEFULSET_REMOTE_CACHE": str(tmp_path / "node")}
+    with proxy(server) as p:
+        p.set(max_inflight=3, latency=0.005)  # connections opened and dropped all along
+        spec = _spec("s3://corpus/quiet/web", tmp_path / "c", {**server.options(), "endpoint_url": p.endpoint})
+        run = subprocess.run([sys.executable, "-c", _READER, json.dumps(spec)], capture_output=True, text=True,
+                             env=env, timeout=600)  # fmt: skip
+    assert run.returncode == 0 and "read" in run.stdout, run.stderr
+    noise = [line for line in run.stderr.splitlines()
+             if not line.startswith("statefulset: ") and "kernels were not installed" not in line]  # fmt: skip
+    assert not noise, run.stderr[-4000:]

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import IO, Any
 
 from statefulset.errors import StatefulsetError
@@ -60,6 +61,28 @@ def client_options(url: str, storage_options: dict[str, Any] | None) -> dict[str
         config.setdefault("connect_timeout", 10)
         options["config_kwargs"] = config
     return options
+
+
+# s3fs filesystems a forked process inherited from its parent (see _keep_inherited_clients).
+_INHERITED: list[Any] = []
+
+
+def _keep_inherited_clients() -> None:
+    """In a forked child, hold on to the parent's s3fs filesystems so that they are never collected here.
+
+    s3fs closes a collected filesystem's aiobotocore client by scheduling the close on the running
+    loop of whichever thread collects it. In a forked child the parent's client belongs to a loop
+    that does not run here: a collection that lands in the child's own I/O loop thread printed
+    "Task exception was never retrieved ... attached to a different loop" (issue 24, seen many times
+    per run with DataLoader workers). Forked DataLoader workers end with ``os._exit``, so the
+    parent's clients are simply never touched here; the parent closes them itself.
+    """
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is not None:
+        _INHERITED.extend(list(getattr(s3fs.S3FileSystem, "_cache", {}).values()))
+
+
+os.register_at_fork(after_in_child=_keep_inherited_clients)
 
 
 def open_filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
