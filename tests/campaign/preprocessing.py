@@ -83,6 +83,9 @@ def _cli(argv: list[str], env: dict[str, str], err: str) -> None:
     os.dup2(fd, 2)
     os.dup2(fd, 1)
     os.environ.update(env)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks for stacks before it calls a hang
     from statefulset.tools.cli import main
 
     try:
@@ -113,7 +116,11 @@ def run_cli(argv: list[str], env: dict[str, str], err: str, case: dict | None, b
             done = _apply(fault, proc.pid, workers, case)
         if now > deadline:
             detail = {p: procs.cmdline(p)[:80] for p in procs.descendants(proc.pid)}
-            raise Hung(f"preprocess still running after {bound:g} s (fault {fault}); processes {detail}")
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            with open(err, errors="replace") as f:
+                stacks = f.read()[-3000:]
+            raise Hung(f"preprocess still running after {bound:g} s (fault {fault}); processes {detail}; {stacks}")
         time.sleep(0.01)
     proc.join()
     if case is not None:
