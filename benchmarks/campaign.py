@@ -137,7 +137,12 @@ def main() -> int:
         "--deadline", default=None, help="UTC HH:MM after which no case starts (the JSON says how many ran)"
     )
     ap.add_argument("--rerun-findings", metavar="JSON", help="rerun the findings of a results file on this checkout")
+    ap.add_argument("--from-log", metavar="LOG", help="write --out from a run's log instead of running")
+    ap.add_argument("--seconds", type=float, default=0.0, help="with --from-log: how long that run took")
+    ap.add_argument("--commit", default=None, help="with --from-log: the commit that run measured")
     args = ap.parse_args()
+    if args.from_log:
+        return from_log(args)
     if args.rerun_findings:
         return rerun_findings(args.rerun_findings, args.jobs, args.timeout)
     log_path = args.log or os.path.splitext(args.out)[0] + ".log.jsonl"
@@ -156,6 +161,11 @@ def main() -> int:
             results = session.run(cases, progress, stop=_deadline(args.deadline))
             cases = cases[: len(results)]
             _rerun_timeouts(session, cases, results, args, _deadline(args.deadline, grace_s=240))
+    write_report(args, cases, results, time.time() - started)
+    return 0
+
+
+def write_report(args, cases: list[dict], results: list[dict], seconds: float) -> None:
     findings = [
         {"seed": c["seed"], **_summary(c), **{k: r[k] for k in r if k not in ("seed",)}}
         for c, r in zip(cases, results, strict=True)
@@ -167,11 +177,11 @@ def main() -> int:
     counts["new findings"] = len(findings) - counts["known"]
     report = {
         "benchmark": "campaign",
-        "git": benchenv.git_state(),
+        "git": {"head": args.commit, "dirty": ""} if getattr(args, "commit", None) else benchenv.git_state(),
         "machine": benchenv.environment(),
         "versions": _versions(),
         "args": {"cases": args.cases, "first_seed": args.first_seed, "jobs": args.jobs, "timeout_s": args.timeout},
-        "seconds": round(time.time() - started, 1),
+        "seconds": round(seconds, 1),
         "tally": counts,
         "landed": sum(1 for c, r in zip(cases, results, strict=True) if c["fault"] != "none" and r.get("landed")),
         "faulted": sum(1 for c in cases if c["fault"] != "none"),
@@ -193,6 +203,22 @@ def main() -> int:
         json.dump(report, f, indent=1, sort_keys=False)
         f.write("\n")
     print(json.dumps(report["tally"], indent=1))
+
+
+def from_log(args) -> int:
+    """The results file of a run from its log (a run cut short, or one whose KNOWN list changed since)."""
+    from campaign.known import known
+
+    with open(args.from_log) as f:
+        entries = sorted((json.loads(line) for line in f if line.strip()), key=lambda e: e["case"]["seed"])
+    cases, results = [e["case"] for e in entries], [e["result"] for e in entries]
+    for case, result in zip(cases, results, strict=True):
+        result.pop("known", None)
+        entry = known(case, result) if result["verdict"] in FINDINGS else None
+        if entry is not None:
+            result["known"] = entry.item
+    args.first_seed = cases[0]["seed"]  # args.cases stays the number that run was asked for
+    write_report(args, cases, results, args.seconds)
     return 0
 
 

@@ -23,7 +23,13 @@ def table(report: dict) -> str:
     lines = [
         f"Long form at commit `{git['head'][:12]}` on {machine['vcpus']} vCPUs ({machine['cpu']}), "
         f"python {machine['python']}, torch {machine['torch']}, moto {report['versions']['moto']}: "
-        f"{t['cases']} cases in {report['seconds'] / 60:.0f} min, {report['args']['jobs']} at a time, "
+        f"{t['cases']} cases"
+        + (
+            f" (of {report['args']['cases']} asked for: the run stopped at its deadline)"
+            if t["cases"] < report["args"]["cases"]
+            else ""
+        )
+        + f" in {report['seconds'] / 60:.0f} min, {report['args']['jobs']} at a time, "
         f"hard timeout {report['args']['timeout_s']:g} s, median case {report['case_seconds']['median']:g} s "
         f"({report['case_seconds']['cpu_median']:g} CPU s); a fault landed in {report['landed']} of "
         f"{report['faulted']} faulted cases.",
