@@ -195,3 +195,25 @@ def test_preprocessing_on_s3_goes_through_503s_with_the_same_bytes(tmp_path, ser
             mp.setenv(name, value)
         for key in ("text", "title"):
             assert _bytes(f"s3://corpus/tok/r503_{key}_document") == _bytes(str(tmp_path / f"ref_{key}_document"))
+
+
+def test_a_dropped_connection_does_not_make_an_input_missing(tmp_path, server):
+    """Two connections dropped at the start of a run (the fault proxy closes them unanswered): the
+    existence check of each named input is retried, and the shard is the local run's. Found by the
+    reliability campaign (tests/campaign): fsspec's isfile answered False to the error, so the run
+    ended at once with "no such input object" for an object that exists."""
+    pytest.importorskip("s3fs")
+    local = _inputs(tmp_path, n=60)
+    upload(server, "corpus", {f"drop/{os.path.basename(p)}": p for p in local})
+    preprocess(local, str(tmp_path / "ref"), append_eod=True, show_progress=False)
+    with proxy(server) as p:
+        env = {**os.environ, **server.env(), "AWS_ENDPOINT_URL": p.endpoint, "STATEFULSET_STORAGE_RETRIES": "10"}
+        p.set(drop=2)
+        urls = [f"s3://corpus/drop/{os.path.basename(x)}" for x in local]
+        run = subprocess.run(
+            [sys.executable, "-m", "statefulset", "preprocess", "--input", *urls, "--append-eod",
+             "--output-prefix", str(tmp_path / "out"), "--quiet"],
+            capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+    assert _bytes(str(tmp_path / "out_text_document")) == _bytes(str(tmp_path / "ref_text_document"))

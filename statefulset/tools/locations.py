@@ -162,13 +162,26 @@ def expand(inputs: list[str] | tuple[str, ...]) -> list[str]:
                 if not found:
                     raise StatefulsetError(f"{item}: the pattern matches no object")
                 paths += [_unstrip(item, p) for p in found]
-            elif with_retries(item, lambda f=fs, p=fs_path: f.isfile(p), "info"):
+            elif _is_file(with_retries(item, lambda f=fs, p=fs_path: _info_or_none(f, p), "info")):
                 paths.append(item)
             else:
                 raise StatefulsetError(f"{item}: no such input object")
         except OSError as exc:
             raise StatefulsetError(f"{item}: cannot list: {exc}") from exc
     return paths
+
+
+def _info_or_none(fs: Any, path: str) -> dict[str, Any] | None:
+    """The object's info, None when it does not exist. Not ``fs.isfile``: fsspec's answers False to any
+    error, so a dropped connection made an existing input "no such input object" with no retry."""
+    try:
+        return fs.info(path)
+    except FileNotFoundError:
+        return None
+
+
+def _is_file(info: dict[str, Any] | None) -> bool:
+    return info is not None and info.get("type") == "file"
 
 
 class Folder:
