@@ -210,7 +210,12 @@ def check_identity(
     words = _Words(saved, identity, named, legacy, names)
     problems = []
     if ("stages" in saved) != ("stages" in identity):
-        differs.append("stages")
+        # A schedule's "data" is "stages": the field that says so replaces it. Another packing says
+        # it alone (megatron has no schedules).
+        if "data" in differs:
+            differs.remove("data")
+        if "packing" not in differs:
+            differs.append("stages")
     elif "stages" in saved:
         problem = _past_stages_problem(saved["stages"], identity["stages"], cursor_of(state).consumed, words)
         if problem:
@@ -247,8 +252,8 @@ class _Words:
             return f"{key}: state has {saved.get(key)!r}, this loader {identity.get(key)!r}"
         said = self.members(saved.get("members"), identity.get("members"))
         return (
-            "data: "
-            + (said or "the shards, their split ranges or weights differ")
+            "data: the shards, their split ranges or weights differ"
+            + (f": {said}" if said else "")
             + (f" ({self.named})" if self.named else "")
         )
 

@@ -75,7 +75,7 @@ def differences(saved: list[list[Any]], now: list[list[Any]], names: Mapping[str
             continue
         _, slo, shi, sw = before[d]
         if (lo, hi) != (slo, shi):
-            parts.append(f"{name(d)} reads sequences [{lo}, {hi}) in this spec, [{slo}, {shi}) in the state")
+            parts.append(f"{name(d)} reads the split range [{lo}, {hi}) in this spec, [{slo}, {shi}) in the state")
         if w != sw:
             parts.append(f"{name(d)} has weight {_weight(w)} in this spec, {_weight(sw)} in the state")
     new = [d for d in after if d not in before]
@@ -94,4 +94,4 @@ def differences(saved: list[list[Any]], now: list[list[Any]], names: Mapping[str
         ]
     if not parts and [m[0] for m in saved] != [m[0] for m in now]:
         parts.append("the sources are listed in another order")
-    return "; ".join(parts)
+    return " and ".join(parts)  # never "; ": a refusal separates its fields with it
