@@ -110,9 +110,19 @@ class Session:
     def run(self, cases: list[dict], progress=None, stop=None) -> list[dict]:
         """Results in the order of ``cases``; ``stop()`` true: start no more (those not run are left out)."""
         pending, running, results = list(cases), {}, []
+        try:
+            self._loop(pending, running, results, progress, stop)
+        finally:  # interrupted: the running cases go too (multiprocessing would wait for them at exit)
+            for _, proc, *_ in running.values():
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        order = {c["seed"]: i for i, c in enumerate(cases)}
+        return sorted(results, key=lambda r: order[r["seed"]])
+
+    def _loop(self, pending: list, running: dict, results: list, progress, stop) -> None:
         while pending or running:
             if stop is not None and stop():
-                pending = []
+                pending.clear()
             while pending and len(running) < self.jobs:
                 case = pending.pop(0)
                 running[case["seed"]] = (case, *self._start(case))
@@ -127,8 +137,6 @@ class Session:
                     results.append(result)
                     if progress is not None:
                         progress(case, result)
-        order = {c["seed"]: i for i, c in enumerate(cases)}
-        return sorted(results, key=lambda r: order[r["seed"]])
 
 
 def run_seeds(seeds, root: str, jobs: int = 2, timeout: float = 150.0, long_form: bool = False, progress=None):
