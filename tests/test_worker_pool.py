@@ -129,6 +129,40 @@ def _nothing() -> None:
     pass
 
 
+HEAD_LAST = """
+import os, sys, time
+from statefulset.tools.worker_pool import ordered_map
+
+flag = sys.argv[1]
+
+def slow_head(n):
+    if n == 0:  # the head of the window answers last: only after unit 1 has answered
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    elif n == 1:
+        open(flag, "w").close()
+    return n
+
+def nothing():
+    pass
+
+got = [value for _, value in ordered_map(slow_head, range(6), workers=2, depth=1, initializer=nothing)]
+assert got == list(range(6)), got
+print("in order")
+"""
+
+
+def test_a_window_whose_head_answers_last_goes_on(tmp_path):
+    """Found by the reliability campaign (seed 100154: --workers 2 --chunk-bytes 4096 stopped with 'no
+    worker finished a unit ... still held:' and nothing held). When the head of the window answered
+    last, the pool handed on every result and then waited for news with no task in flight, instead
+    of sending the next units. Here unit 0 answers only after unit 1 did, so it lands every time."""
+    env = {**os.environ, "STATEFULSET_TASK_TIMEOUT": "10"}
+    run = _run([sys.executable, "-c", HEAD_LAST, str(tmp_path / "flag")], 120, env=env)
+    assert run.returncode == 0 and run.stdout.strip() == "in order", run.stderr
+
+
 def _fail_on_three(n: int) -> int:
     if n == 3:
         raise StatefulsetError("unit 3 is bad")

@@ -306,6 +306,10 @@ def ordered_map(
             if exhausted and following == sent:
                 failed = False
                 return
+            if following == sent:
+                # Every answer is handed on and no task is in flight (the head of the window answered
+                # last): send the next units before waiting for news that cannot come.
+                continue
             for number, ok, value in pool.wait(min(period, limit), limit):
                 done[number] = (ok, value)
     finally:
