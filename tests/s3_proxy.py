@@ -6,6 +6,8 @@ on 127.0.0.1. Tests and benchmarks steer it while it runs with requests to the p
 - ``GET /__proxy__/set?latency=0.01&fail503=3&drop=2&stall=1&deny=1`` sets the added latency
   (seconds per request) and how many of the next requests answer 503 SlowDown, are dropped
   (connection closed without an answer), stall (never answered) or answer 403 InvalidAccessKeyId;
+  ``stall_put_body=k`` stalls the next k PUT requests before their body (headers read, the body
+  never read, no ``100 Continue``, never answered);
   ``deny=-1`` denies every request; ``every503=k`` answers 503 SlowDown to every k-th data request
   (0: never), so that every kind of request a run makes meets a fault; ``max_inflight=k`` answers
   503 SlowDown to a data request that arrives while k others are in flight (a store that throttles
@@ -26,7 +28,10 @@ import json
 import sys
 from urllib.parse import parse_qs, urlsplit
 
-STATE = {"latency": 0.0, "fail503": 0, "drop": 0, "stall": 0, "deny": 0, "every503": 0, "max_inflight": 0, "serial": 0}
+STATE = {
+    "latency": 0.0, "fail503": 0, "drop": 0, "stall": 0, "stall_put_body": 0, "deny": 0, "every503": 0,
+    "max_inflight": 0, "serial": 0,
+}  # fmt: skip
 INFLIGHT = [0]
 _SERIAL: list[asyncio.Lock] = []
 STATS = {"requests": 0, "ranged": 0, "bytes": 0, "503s": 0, "most_inflight": 0}
@@ -54,6 +59,9 @@ async def _read_message(
         head = await reader.readuntil(b"\r\n\r\n")
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
+    if head.startswith(b"PUT ") and _take("stall_put_body"):
+        await asyncio.sleep(3600)
+        return None
     lines = head.decode("latin-1").split("\r\n")
     headers = {}
     for line in lines[1:]:
@@ -76,7 +84,7 @@ def _control(target: str) -> bytes:
         for key, values in parse_qs(url.query).items():
             STATE[key] = float(values[0]) if key == "latency" else int(values[0])
     elif url.path == "/__proxy__/reset":
-        STATE.update(latency=0.0, fail503=0, drop=0, stall=0, deny=0, every503=0, max_inflight=0, serial=0)
+        STATE.update({key: 0 for key in STATE}, latency=0.0)
         STATS.update(requests=0, ranged=0, bytes=0, most_inflight=0, **{"503s": 0})
     return _response("200 OK", json.dumps({**STATE, **STATS}).encode())
 

@@ -217,3 +217,34 @@ def test_a_dropped_connection_does_not_make_an_input_missing(tmp_path, server):
         )  # fmt: skip
         assert run.returncode == 0, run.stderr
     assert _bytes(str(tmp_path / "out_text_document")) == _bytes(str(tmp_path / "ref_text_document"))
+
+
+def test_a_stalled_upload_is_cut_at_its_bound_and_retried(tmp_path, server):
+    """The output's first upload request stalls at the fault proxy (its headers read, its body never,
+    no answer): the upload is cut after STATEFULSET_STORAGE_CALL_SECONDS, retried, and the shard is the
+    local run's. Found by the reliability campaign (seeds 166, 100017: the main process waited in
+    fs.put_file past the case's bound; botocore's read timeout does not cover a body never taken).
+    Run under a subprocess timeout so that a wait without a bound fails, not hangs; saw it fail on
+    100d627 (still waiting after 45 s; 90 s in a longer try)."""
+    pytest.importorskip("s3fs")
+    local = _inputs(tmp_path, n=60)
+    upload(server, "corpus", {f"stall/{os.path.basename(p)}": p for p in local})  # the bucket exists
+    preprocess(local, str(tmp_path / "ref"), append_eod=True, show_progress=False)
+    with proxy(server) as p:
+        env = {**os.environ, **server.env(), "AWS_ENDPOINT_URL": p.endpoint, "STATEFULSET_STORAGE_CALL_SECONDS": "3"}
+        p.set(stall_put_body=1)
+        try:
+            run = subprocess.run(
+                [sys.executable, "-m", "statefulset", "preprocess", "--input", *local, "--append-eod",
+                 "--output-prefix", "s3://corpus/tok/stall", "--quiet"],
+                capture_output=True, text=True, timeout=45, env=env,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"preprocess still waiting on a stalled upload after 45 s: {exc.stderr}")
+        assert run.returncode == 0, run.stderr
+        assert "upload of s3://corpus/tok/stall_text_document.bin" in run.stderr  # the retry names what and where
+        assert "no answer within 3" in run.stderr
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in server.env().items():
+            mp.setenv(name, value)
+        assert _bytes("s3://corpus/tok/stall_text_document") == _bytes(str(tmp_path / "ref_text_document"))

@@ -8,7 +8,9 @@ stays unreachable) becomes a :class:`StatefulsetError` naming the URL and the ca
 Settings (environment, read per call so tests and launchers can set them):
 
 - ``STATEFULSET_STORAGE_RETRIES``: attempts after the first (default 6);
-- ``STATEFULSET_STORAGE_RETRY_SECONDS``: the whole budget for one request's retries (default 120).
+- ``STATEFULSET_STORAGE_RETRY_SECONDS``: the whole budget for one request's retries (default 120);
+- ``STATEFULSET_STORAGE_CALL_SECONDS``: the longest one call to an fsspec filesystem waits
+  (:func:`bounded_call`; default 60, plus a second per 8 MiB an upload or download moves).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ log = logging.getLogger("statefulset")
 T = TypeVar("T")
 
 _FIRST_BACKOFF = 0.1
+# A call that moves data gets one more second of its bound per this many bytes (a slow link, not a stall).
+_BYTES_PER_EXTRA_SECOND = 8 * 1024 * 1024
 _MAX_BACKOFF = 10.0
 
 # Exception classes named by name: botocore, aiohttp and urllib3 are optional imports.
@@ -136,3 +140,25 @@ def with_retries(url: str, call: Callable[[], T], what: str = "read") -> T:
                 what, url, type(exc).__name__, exc, attempt, retries, pause,
             )  # fmt: skip
             time.sleep(pause)
+
+
+def bounded_call(url: str, what: str, fs: object, method: str, *args: object, nbytes: int = 0) -> object:
+    """``fs.<method>(*args)``, waiting at most ``STATEFULSET_STORAGE_CALL_SECONDS`` (plus a second per
+    8 MiB of ``nbytes``) on an async fsspec filesystem (s3fs, gcsfs): the call is cancelled on its I/O
+    loop and a ``TimeoutError`` naming the operation, the URL and the bound is raised, which
+    :func:`with_retries` retries. Found by the reliability campaign (seeds 166, 100017): an upload on a
+    connection that never answered left ``fs.put_file`` waiting past any bound. Synchronous
+    filesystems (``memory://``, local) are called as they are."""
+    seconds = settings.STORAGE_CALL_SECONDS.get() + nbytes / _BYTES_PER_EXTRA_SECOND
+    coroutine = getattr(fs, "_" + method, None)
+    loop = getattr(fs, "loop", None)
+    if coroutine is None or loop is None or getattr(fs, "asynchronous", False):
+        return getattr(fs, method)(*args)
+    from fsspec.asyn import FSTimeoutError, sync
+
+    try:
+        return sync(loop, coroutine, *args, timeout=seconds)
+    except FSTimeoutError as exc:
+        raise TimeoutError(
+            f"{what} of {url}: no answer within {seconds:.1f} s (STATEFULSET_STORAGE_CALL_SECONDS)"
+        ) from exc

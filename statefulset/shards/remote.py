@@ -22,6 +22,7 @@ import os
 import sys
 from typing import IO, Any
 
+from statefulset import settings
 from statefulset.errors import StatefulsetError
 from statefulset.shards import obstore_client, ranged_reads
 from statefulset.shards.faults import changed_error, describe, with_retries
@@ -52,13 +53,15 @@ def client_options(url: str, storage_options: dict[str, Any] | None) -> dict[str
     statefulset retries (:mod:`statefulset.shards.faults`, bounded in attempts and seconds), so
     s3fs's own retries (5, up to 15 s apart) and botocore's (4 more under each of those) are
     switched off: stacked, they turned one persistent 503 into a two-minute wait. A connection
-    attempt gives up after 10 s instead of botocore's 60 s.
+    attempt gives up after 10 s instead of botocore's 60 s, and an answer that stops coming after
+    ``STATEFULSET_STORAGE_CALL_SECONDS`` (botocore's read timeout).
     """
     options = dict(storage_options or {})
     if url.split("://", 1)[0] in _S3_SCHEMES:
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": 1})
         config.setdefault("connect_timeout", 10)
+        config.setdefault("read_timeout", settings.STORAGE_CALL_SECONDS.get())
         options["config_kwargs"] = config
     return options
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from statefulset.errors import StatefulsetError
-from statefulset.shards.faults import with_retries
+from statefulset.shards.faults import bounded_call, with_retries
 from statefulset.shards.names import natural_key
 from statefulset.shards.remote import object_version, open_filesystem
 
@@ -125,7 +125,7 @@ def size(path: str) -> int:
         if not is_url(path):
             return os.path.getsize(_local(path))
         fs, fs_path = _fs(path)
-        return int(with_retries(path, lambda: fs.size(fs_path), "size"))
+        return int(with_retries(path, lambda: bounded_call(path, "size", fs, "size", fs_path), "size"))
     except (OSError, ValueError) as exc:
         raise StatefulsetError(f"{path}: cannot read its size: {exc}") from exc
 
@@ -136,7 +136,7 @@ def version(path: str) -> list[Any]:
         st = os.stat(_local(path))
         return [os.path.abspath(_local(path)), st.st_size, st.st_mtime_ns]
     fs, fs_path = _fs(path)
-    return [path, object_version(with_retries(path, lambda: fs.info(fs_path), "info"))]
+    return [path, object_version(with_retries(path, lambda: bounded_call(path, "info", fs, "info", fs_path), "info"))]
 
 
 def expand(inputs: list[str] | tuple[str, ...]) -> list[str]:
@@ -158,11 +158,11 @@ def expand(inputs: list[str] | tuple[str, ...]) -> list[str]:
         fs, fs_path = _fs(item)
         try:
             if pattern:
-                found = sorted(with_retries(item, lambda f=fs, p=fs_path: f.glob(p), "list"), key=natural_key)
+                found = sorted(with_retries(item, lambda f=fs, p=fs_path: bounded_call(item, "list", f, "glob", p), "list"), key=natural_key)
                 if not found:
                     raise StatefulsetError(f"{item}: the pattern matches no object")
                 paths += [_unstrip(item, p) for p in found]
-            elif _is_file(with_retries(item, lambda f=fs, p=fs_path: _info_or_none(f, p), "info")):
+            elif _is_file(with_retries(item, lambda f=fs, p=fs_path: _info_or_none(item, f, p), "info")):
                 paths.append(item)
             else:
                 raise StatefulsetError(f"{item}: no such input object")
@@ -171,11 +171,11 @@ def expand(inputs: list[str] | tuple[str, ...]) -> list[str]:
     return paths
 
 
-def _info_or_none(fs: Any, path: str) -> dict[str, Any] | None:
+def _info_or_none(url: str, fs: Any, path: str) -> dict[str, Any] | None:
     """The object's info, None when it does not exist. Not ``fs.isfile``: fsspec's answers False to any
     error, so a dropped connection made an existing input "no such input object" with no retry."""
     try:
-        return fs.info(path)
+        return bounded_call(url, "info", fs, "info", path)
     except FileNotFoundError:
         return None
 
@@ -213,7 +213,7 @@ class Folder:
 
         def listing() -> list[str]:
             try:
-                return list(self._fs.ls(self._fs_path, detail=False))
+                return list(bounded_call(self.path, "list", self._fs, "ls", self._fs_path, False))
             except FileNotFoundError:
                 return []
 
@@ -224,13 +224,13 @@ class Folder:
             with open(_local(self.join(name))) as f:
                 return f.read()
         self._fresh()
-        return with_retries(self.join(name), lambda: self._fs.cat_file(f"{self._fs_path}/{name}"), "read").decode()
+        return with_retries(self.join(name), lambda: bounded_call(self.join(name), "read", self._fs, "cat_file", f"{self._fs_path}/{name}"), "read").decode()
 
     def exists(self, name: str) -> bool:
         if not self.remote:
             return os.path.exists(_local(self.join(name)))
         self._fresh()
-        return bool(with_retries(self.join(name), lambda: self._fs.exists(f"{self._fs_path}/{name}"), "info"))
+        return bool(with_retries(self.join(name), lambda: bounded_call(self.join(name), "info", self._fs, "exists", f"{self._fs_path}/{name}"), "info"))
 
     def write_text(self, name: str, text: str) -> None:
         """Atomic: a rename locally, one ``put`` of the whole object remotely."""
@@ -240,7 +240,7 @@ class Folder:
                 f.write(text)
             os.replace(target + ".tmp", target)
             return
-        with_retries(self.join(name), lambda: self._fs.pipe_file(f"{self._fs_path}/{name}", text.encode()), "write")
+        with_retries(self.join(name), lambda: bounded_call(self.join(name), "write", self._fs, "pipe_file", f"{self._fs_path}/{name}", text.encode()), "write")
 
     @contextlib.contextmanager
     def local_shard(self, name: str, exts: tuple[str, ...] = (".bin", ".idx")) -> Iterator[str]:
@@ -254,12 +254,16 @@ class Folder:
         try:
             for ext in exts:
                 source, local = f"{self._fs_path}/{name}{ext}", os.path.join(folder, name + ext)
-                with_retries(self.join(name + ext), lambda s=source, d=local: self._fs.get_file(s, d), "download")
+                with_retries(self.join(name + ext), lambda s=source, d=local: self._download(name + ext, s, d), "download")
             yield os.path.join(folder, name)
         except OSError as exc:
             raise StatefulsetError(f"{self.join(name)}: cannot download the part: {exc}") from exc
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _download(self, name: str, source: str, local: str) -> None:
+        size = int(bounded_call(self.join(name), "size", self._fs, "size", source) or 0)
+        bounded_call(self.join(name), "download", self._fs, "get_file", source, local, nbytes=size)
 
     def fs_path(self, name: str) -> str:
         """``name``'s path on the folder's filesystem (remote folders only)."""
@@ -272,7 +276,7 @@ class Folder:
 
         def remove() -> None:
             with contextlib.suppress(FileNotFoundError):
-                self._fs.rm(self._fs_path, recursive=True)
+                bounded_call(self.path, "remove", self._fs, "rm", self._fs_path, True)
 
         with_retries(self.path, remove, "remove")
 
@@ -304,11 +308,15 @@ class StagedOutput:
         fs, fs_path = _fs(self.prefix)
         try:
             for ext in exts:
-                with_retries(self.prefix + ext, lambda e=ext: fs.put_file(self.local + e, fs_path + e), "upload")
+                with_retries(self.prefix + ext, lambda e=ext: self._upload(fs, e, fs_path + e), "upload")
         except OSError as exc:
             raise StatefulsetError(f"{self.prefix}: cannot upload the shard: {exc}") from exc
         finally:
             self.discard()
+
+    def _upload(self, fs: Any, ext: str, target: str) -> None:
+        source = self.local + ext
+        bounded_call(self.prefix + ext, "upload", fs, "put_file", source, target, nbytes=os.path.getsize(source))
 
     def discard(self) -> None:
         if self._folder:
