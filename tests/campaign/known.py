@@ -20,17 +20,9 @@ class Known:
 # Removed when the fixes landed: remote .bin reads pinned to the opened ETag, local files checked
 # against the opened inode/size/mtime, identity covering the .bin (the campaign's seeds 95, 179 and
 # 116 end with named errors since; they were silent differences before).
-KNOWN: list[Known] = [
-    Known(
-        "issue 24 §1/§3: preprocessing I/O on S3, every wait bounded (open: found by the campaign, seeds 166, 100017)",
-        "preprocess with inputs and output behind the fault proxy (dropped connections, or no fault) waits past the "
-        "case's bound in the output upload: fs.put_file inside faults.with_retries, the fsspec call itself unbounded "
-        "(the main thread in fsspec.asyn.sync, its I/O loop idle in select)",
-        lambda case, result: (
-            case["kind"] == "preprocess" and case["storage"] == "s3-proxy" and result["verdict"] == "hang"
-        ),
-    ),
-]
+# Removed when its fix landed (e4b09dc): preprocessing's upload to S3 behind the fault proxy waiting
+# in fs.put_file past the case's bound (seeds 166, 100017); every fsspec call is bounded since.
+KNOWN: list[Known] = []
 
 
 def known(case: dict, result: dict) -> Known | None:
