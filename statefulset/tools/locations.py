@@ -158,11 +158,14 @@ def expand(inputs: list[str] | tuple[str, ...]) -> list[str]:
         fs, fs_path = _fs(item)
         try:
             if pattern:
-                found = sorted(with_retries(item, lambda f=fs, p=fs_path: bounded_call(item, "list", f, "glob", p), "list"), key=natural_key)
+                listed = with_retries(
+                    item, lambda f=fs, p=fs_path, u=item: bounded_call(u, "list", f, "glob", p), "list"
+                )
+                found = sorted(listed, key=natural_key)
                 if not found:
                     raise StatefulsetError(f"{item}: the pattern matches no object")
                 paths += [_unstrip(item, p) for p in found]
-            elif _is_file(with_retries(item, lambda f=fs, p=fs_path: _info_or_none(item, f, p), "info")):
+            elif _is_file(with_retries(item, lambda f=fs, p=fs_path, u=item: _info_or_none(u, f, p), "info")):
                 paths.append(item)
             else:
                 raise StatefulsetError(f"{item}: no such input object")
@@ -224,13 +227,23 @@ class Folder:
             with open(_local(self.join(name))) as f:
                 return f.read()
         self._fresh()
-        return with_retries(self.join(name), lambda: bounded_call(self.join(name), "read", self._fs, "cat_file", f"{self._fs_path}/{name}"), "read").decode()
+        return with_retries(
+            self.join(name),
+            lambda: bounded_call(self.join(name), "read", self._fs, "cat_file", f"{self._fs_path}/{name}"),
+            "read",
+        ).decode()
 
     def exists(self, name: str) -> bool:
         if not self.remote:
             return os.path.exists(_local(self.join(name)))
         self._fresh()
-        return bool(with_retries(self.join(name), lambda: bounded_call(self.join(name), "info", self._fs, "exists", f"{self._fs_path}/{name}"), "info"))
+        return bool(
+            with_retries(
+                self.join(name),
+                lambda: bounded_call(self.join(name), "info", self._fs, "exists", f"{self._fs_path}/{name}"),
+                "info",
+            )
+        )
 
     def write_text(self, name: str, text: str) -> None:
         """Atomic: a rename locally, one ``put`` of the whole object remotely."""
@@ -240,7 +253,13 @@ class Folder:
                 f.write(text)
             os.replace(target + ".tmp", target)
             return
-        with_retries(self.join(name), lambda: bounded_call(self.join(name), "write", self._fs, "pipe_file", f"{self._fs_path}/{name}", text.encode()), "write")
+        with_retries(
+            self.join(name),
+            lambda: bounded_call(
+                self.join(name), "write", self._fs, "pipe_file", f"{self._fs_path}/{name}", text.encode()
+            ),
+            "write",
+        )
 
     @contextlib.contextmanager
     def local_shard(self, name: str, exts: tuple[str, ...] = (".bin", ".idx")) -> Iterator[str]:
@@ -254,7 +273,9 @@ class Folder:
         try:
             for ext in exts:
                 source, local = f"{self._fs_path}/{name}{ext}", os.path.join(folder, name + ext)
-                with_retries(self.join(name + ext), lambda s=source, d=local: self._download(name + ext, s, d), "download")
+                with_retries(
+                    self.join(name + ext), lambda s=source, d=local, n=name + ext: self._download(n, s, d), "download"
+                )
             yield os.path.join(folder, name)
         except OSError as exc:
             raise StatefulsetError(f"{self.join(name)}: cannot download the part: {exc}") from exc
