@@ -21,6 +21,7 @@ import time
 
 import numpy
 import pytest
+from campaign.procs import children
 
 from statefulset import IndexedDataset, IndexedDatasetWriter
 from statefulset.shards import liveness, temporaries
@@ -38,18 +39,6 @@ def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.005)
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def write_jsonl(path, documents: int) -> None:

@@ -19,6 +19,7 @@ import sys
 import time
 
 import pytest
+from campaign.procs import alive, children
 
 from statefulset import StatefulsetError
 from statefulset.tools.worker_pool import ordered_map
@@ -44,27 +45,6 @@ def _cli(*args: str) -> list[str]:
 
 def _same(a, b) -> bool:
     return all(filecmp.cmp(f"{a}.{e}", f"{b}.{e}", shallow=False) for e in ("bin", "idx"))
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Running or stopped (a zombie has ended: only its exit status is left)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
 
 
 def _wait_for(predicate, what: str, timeout: float = 120.0) -> None:
@@ -170,14 +150,14 @@ def _fail_on_three(n: int) -> int:
 
 
 def test_a_worker_error_is_raised_in_input_order_and_the_workers_are_gone():
-    before = set(_children(os.getpid()))  # other tests' servers and fork servers live on in this process
+    before = set(children(os.getpid()))  # other tests' servers and fork servers live on in this process
     pool = ordered_map(_fail_on_three, range(8), workers=2, initializer=_nothing)
     seen = []
     with pytest.raises(StatefulsetError, match="unit 3 is bad"):
         for _, value in pool:
             seen.append(value)
     assert seen == [0, 1, 2]
-    assert [c for c in _children(os.getpid()) if c not in before and _alive(c)] == []
+    assert [c for c in children(os.getpid()) if c not in before and alive(c)] == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
@@ -195,8 +175,8 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state, si
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     workers: list[int] = []
     try:
-        _wait_for(lambda: len(_children(proc.pid)) >= 3, "the three workers")
-        workers = _children(proc.pid)
+        _wait_for(lambda: len(children(proc.pid)) >= 3, "the three workers")
+        workers = children(proc.pid)
         if workers_state == "stopped":
             for pid in workers:
                 os.kill(pid, signal.SIGSTOP)
@@ -204,7 +184,7 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state, si
         assert proc.poll() is None, proc.stderr.read()
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=BOUND_S) == (143 if sig == signal.SIGTERM else -sig)
-        _wait_for(lambda: not any(_alive(p) for p in workers), "the workers to end after their parent", BOUND_S)
+        _wait_for(lambda: not any(alive(p) for p in workers), "the workers to end after their parent", BOUND_S)
     finally:
         gate.unlink()
         for pid in workers:
@@ -224,8 +204,8 @@ def test_a_killed_worker_ends_the_run_with_a_named_error_and_no_process_left(tmp
                    "--workers", "2", "--chunk-bytes", "65536")  # fmt: skip
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
-        _wait_for(lambda: len(_children(proc.pid)) >= 2, "the two workers")
-        workers = _children(proc.pid)
+        _wait_for(lambda: len(children(proc.pid)) >= 2, "the two workers")
+        workers = children(proc.pid)
         os.kill(workers[0], signal.SIGKILL)
         try:
             code = proc.wait(timeout=BOUND_S)
@@ -235,7 +215,7 @@ def test_a_killed_worker_ends_the_run_with_a_named_error_and_no_process_left(tmp
         assert code == 2, stderr
         assert "in.jsonl (bytes " in stderr and "a worker process killed by SIGKILL" in stderr, stderr
         assert "Traceback" not in stderr
-        assert not any(_alive(p) for p in workers)
+        assert not any(alive(p) for p in workers)
         assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
     finally:
         gate.unlink()
@@ -257,8 +237,8 @@ def test_ctrl_c_or_sigterm_stops_the_run_its_workers_and_its_files(tmp_path, sto
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     workers: list[int] = []
     try:
-        _wait_for(lambda: len(_children(proc.pid)) >= 2, "the two workers")
-        workers = _children(proc.pid)
+        _wait_for(lambda: len(children(proc.pid)) >= 2, "the two workers")
+        workers = children(proc.pid)
         time.sleep(0.5)  # the workers hold their first units at the gate
         assert proc.poll() is None, proc.stderr.read()
         proc.send_signal(stop)  # the main process only, as a terminal's Ctrl-C reaches all (workers ignore it)
@@ -270,7 +250,7 @@ def test_ctrl_c_or_sigterm_stops_the_run_its_workers_and_its_files(tmp_path, sto
         assert returned == code, stderr
         assert "stopped after" in stderr and "done" not in stderr and "100%" not in stderr, stderr
         assert "Traceback" not in stderr, stderr
-        _wait_for(lambda: not any(_alive(p) for p in workers), "the workers to end", BOUND_S)
+        _wait_for(lambda: not any(alive(p) for p in workers), "the workers to end", BOUND_S)
         assert os.listdir(tmp_path / "out") == []  # no output, no temporary
     finally:
         gate.unlink()
