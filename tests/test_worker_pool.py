@@ -55,6 +55,13 @@ def _wait_for(predicate, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
 def _run(command: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
     """The command in its own session, all of it killed if it runs past ``timeout`` (a hang fails the test)."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -177,6 +184,9 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state, si
     try:
         _wait_for(lambda: len(children(proc.pid)) >= 3, "the three workers")
         workers = children(proc.pid)
+        # Stop them only once armed: a worker stopped between fork and its prctl can be ended by no one
+        # but a SIGKILL (seen in CI at da4515b). The parent-watch thread starts right after the prctl.
+        _wait_for(lambda: all(_threads(p) >= 2 for p in workers), "the three workers' parent-watch threads")
         if workers_state == "stopped":
             for pid in workers:
                 os.kill(pid, signal.SIGSTOP)
