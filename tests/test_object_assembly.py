@@ -8,6 +8,7 @@ real: sources over 5 MiB are copied by the store, smaller ones gathered and uplo
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -124,6 +125,36 @@ def test_every_request_of_an_assembly_is_retried_through_503s(s3, server, monkey
     s3.invalidate_cache()
     assert s3.cat_file("shards/r.bin") == whole
     assert not s3.exists("shards/r.scratch")
+
+
+def test_a_stalled_part_upload_is_cut_at_its_bound_and_retried(s3, server, monkeypatch):
+    """The first UploadPart stalls at the fault proxy (its headers read, its body never taken, no
+    ``100 Continue``, no answer): the request is cut after STATEFULSET_STORAGE_CALL_SECONDS, retried,
+    and the object is whole. Run in a thread joined with a bound, so that a wait without one fails the
+    test; saw it fail before the bound (still waiting after 40 s: botocore's read timeout does not
+    cover a body the store never takes)."""
+    monkeypatch.setenv("STATEFULSET_STORAGE_CALL_SECONDS", "2")
+    sources, whole = _put(s3, [1 * MiB, 2 * MiB], "stall")  # small: gathered here, one UploadPart
+    outcome: list[object] = []
+    with proxy(server) as p:
+        fs, _ = open_filesystem("s3://shards/stall.bin", {"endpoint_url": p.endpoint, "key": server.key,
+                                                          "secret": server.secret})  # fmt: skip
+        p.set(stall_put_body=1)
+
+        def run() -> None:
+            try:
+                outcome.append(assemble(fs, "shards/stall.bin", sources, "shards/stall.scratch"))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(40)
+        assert outcome, "the assembly still waits on the stalled UploadPart after 40 s"
+    assert not isinstance(outcome[0], BaseException), outcome[0]
+    assert outcome[0].uploaded == 3 * MiB
+    s3.invalidate_cache()
+    assert s3.cat_file("shards/stall.bin") == whole
 
 
 def test_the_multipart_etag_is_the_one_the_store_gives(s3):

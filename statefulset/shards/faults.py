@@ -142,7 +142,9 @@ def with_retries(url: str, call: Callable[[], T], what: str = "read") -> T:
             time.sleep(pause)
 
 
-def bounded_call(url: str, what: str, fs: object, method: str, *args: object, nbytes: int = 0) -> object:
+def bounded_call(
+    url: str, what: str, fs: object, method: str, *args: object, nbytes: int = 0, **kwargs: object
+) -> object:
     """``fs.<method>(*args)``, waiting at most ``STATEFULSET_STORAGE_CALL_SECONDS`` (plus a second per
     8 MiB of ``nbytes``) on an async fsspec filesystem (s3fs, gcsfs): the call is cancelled on its I/O
     loop and a ``TimeoutError`` naming the operation, the URL and the bound is raised, which
@@ -153,11 +155,11 @@ def bounded_call(url: str, what: str, fs: object, method: str, *args: object, nb
     coroutine = getattr(fs, "_" + method, None)
     loop = getattr(fs, "loop", None)
     if coroutine is None or loop is None or getattr(fs, "asynchronous", False):
-        return getattr(fs, method)(*args)
+        return getattr(fs, method)(*args, **kwargs)
     from fsspec.asyn import FSTimeoutError, sync
 
     try:
-        return sync(loop, coroutine, *args, timeout=seconds)
+        return sync(loop, coroutine, *args, timeout=seconds, **kwargs)
     except FSTimeoutError as exc:
         raise TimeoutError(
             f"{what} of {url}: no answer within {seconds:.1f} s (STATEFULSET_STORAGE_CALL_SECONDS)"

@@ -14,9 +14,12 @@ store copies, this machine only says what goes where. The store's rules shape th
 
 :func:`plan_parts` is pure (hypothesis-tested); :func:`assemble` runs a plan with an s3fs filesystem.
 Every request is retried on transient faults (:func:`statefulset.shards.faults.with_retries`, bounded
-and logged): an assembly of 10,000 parts must not end on one 503. Each is idempotent or made so:
-a part is sent again under its number, and a ``CompleteMultipartUpload`` whose answer was lost is
-recognised by the object's multipart ETag when the retry finds the upload gone.
+and logged): an assembly of 10,000 parts must not end on one 503. Every request also waits a bounded
+time (:func:`statefulset.shards.faults.bounded_call`, ``STATEFULSET_STORAGE_CALL_SECONDS`` plus a
+second per 8 MiB it moves): an ``UploadPart`` whose body the store never takes is cut and retried.
+Each is idempotent or made so: a part is sent again under its number, and a
+``CompleteMultipartUpload`` whose answer was lost is recognised by the object's multipart ETag when
+the retry finds the upload gone.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statefulset.errors import StatefulsetError
-from statefulset.shards.faults import with_retries
+from statefulset.shards.faults import bounded_call, with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +141,16 @@ def assemble(
     finally:
         for name in intermediates:
             try:
-                with_retries(f"s3://{name}", lambda n=name: fs.rm_file(n), "remove")
+                with_retries(
+                    f"s3://{name}", lambda n=name: bounded_call(f"s3://{n}", "remove", fs, "rm_file", n), "remove"
+                )
             except (OSError, StatefulsetError) as exc:  # left for the bucket's lifecycle rules; the shard is fine
                 logger.warning("statefulset: could not remove the intermediate object %s: %s", name, exc)
+
+
+def _s3(fs: Any, url: str, what: str, method: str, nbytes: int = 0, **kwargs: Any) -> Any:
+    """``fs.call_s3(method, **kwargs)``, retried on transient faults, each attempt bounded in time."""
+    return with_retries(url, lambda: bounded_call(url, what, fs, "call_s3", method, nbytes=nbytes, **kwargs), what)
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -164,13 +174,13 @@ def _complete(fs: Any, target: str, upload_id: str, done: list[dict[str, Any]]) 
         nonlocal attempts
         attempts += 1
         try:
-            fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-                       MultipartUpload={"Parts": done})  # fmt: skip
+            bounded_call(url, "completion of the upload", fs, "call_s3", "complete_multipart_upload",
+                         Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done})  # fmt: skip
         except Exception as exc:
             if attempts == 1 or "NoSuchUpload" not in f"{type(exc).__name__}: {exc}":
                 raise
             fs.invalidate_cache(target)
-            found = fs.call_s3("head_object", Bucket=bucket, Key=key).get("ETag")
+            found = bounded_call(url, "info", fs, "call_s3", "head_object", Bucket=bucket, Key=key).get("ETag")
             if found != multipart_etag([p["ETag"] for p in done]):
                 raise
 
@@ -185,18 +195,23 @@ def _send_part(fs: Any, target: str, upload_id: str, number: int, part: Part) ->
     if part.copy:
         (r,) = part.ranges
         source_bucket, source_key = _split(r.path)
-        done = with_retries(url, lambda: fs.call_s3(
-            "upload_part_copy", **args, CopySource={"Bucket": source_bucket, "Key": source_key},
-            CopySourceRange=f"bytes={r.start}-{r.end - 1}",
-        ), f"copy of part {number}")  # fmt: skip
+        done = _s3(fs, url, f"copy of part {number}", "upload_part_copy", nbytes=part.size, **args,
+                   CopySource={"Bucket": source_bucket, "Key": source_key},
+                   CopySourceRange=f"bytes={r.start}-{r.end - 1}")  # fmt: skip
         return str(done["CopyPartResult"]["ETag"])
     body = b"".join(
-        with_retries(f"s3://{r.path}", lambda r=r: fs.cat_file(r.path, start=r.start, end=r.end), "read")
+        with_retries(
+            f"s3://{r.path}",
+            lambda r=r: bounded_call(
+                f"s3://{r.path}", "read", fs, "cat_file", r.path, start=r.start, end=r.end, nbytes=r.end - r.start
+            ),
+            "read",
+        )
         for r in part.ranges
     )
     if len(body) != part.size:
         raise StatefulsetError(f"read {len(body)} bytes of its sources, expected {part.size}")
-    sent = with_retries(url, lambda: fs.call_s3("upload_part", **args, Body=body), f"upload of part {number}")
+    sent = _s3(fs, url, f"upload of part {number}", "upload_part", nbytes=len(body), **args, Body=body)
     return str(sent["ETag"])
 
 
@@ -204,11 +219,10 @@ def _upload(fs: Any, target: str, parts: list[Part], report: Assembly) -> None:
     bucket, key = _split(target)
     url = f"s3://{target}"
     if not parts:  # an empty shard: multipart needs a part
-        with_retries(url, lambda: fs.pipe_file(target, b""), "write")
+        with_retries(url, lambda: bounded_call(url, "write", fs, "pipe_file", target, b""), "write")
         return
     try:
-        start = lambda: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)  # noqa: E731
-        upload_id = with_retries(url, start, "start of the upload")["UploadId"]
+        upload_id = _s3(fs, url, "start of the upload", "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
     except Exception as exc:  # botocore's errors do not share a base with OSError
         raise StatefulsetError(f"s3://{target}: cannot start a multipart upload: {exc}") from exc
 
@@ -230,8 +244,7 @@ def _upload(fs: Any, target: str, parts: list[Part], report: Assembly) -> None:
         _complete(fs, target, upload_id, done)
     except BaseException as exc:
         with contextlib.suppress(Exception):  # the first error is the one to report
-            abort = lambda: fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)  # noqa: E731
-            with_retries(url, abort, "abort of the upload")
+            _s3(fs, url, "abort of the upload", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         if isinstance(exc, StatefulsetError) or not isinstance(exc, Exception):
             raise
         raise StatefulsetError(f"s3://{target}: cannot complete the multipart upload: {exc}") from exc
