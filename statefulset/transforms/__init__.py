@@ -1,0 +1,2 @@
+"""Transforms that resume exactly: task encoders over token samples, keyed randomness, and built-in
+transforms such as fill-in-the-middle (CONTRACT §15; docs/transforms.md)."""
