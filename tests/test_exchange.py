@@ -7,6 +7,8 @@ in it until the process group's timeout. Now every rank takes part and every rec
 
 from __future__ import annotations
 
+import os
+
 import msgpack
 import numpy
 import torch
@@ -87,3 +89,37 @@ def test_a_long_restore_error_at_the_source_rank_is_raised_on_every_rank(tmp_pat
         kind, text = torch.load(tmp_path / f"{rank}.pt")
         assert kind == "error" and text.startswith("global state, entry 0: not a statefulset loader state"), rank
         assert text.endswith("(sent by DP rank 0, which checked it)"), rank
+
+
+def _one_rank_leaves_the_collective(rank: int, world: int, init_file: str, out: str) -> None:
+    """Rank 1 never enters the gather (as a rank stopped or killed after the meeting): rank 0 waits
+    until the process group's timeout, 3 s here."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=3))  # fmt: skip
+    done = f"{out}/rank0-done"
+    if rank == 0:
+        got = _outcome(lambda: gather_bytes(b"mine", 0, what="save_state_global"))
+        torch.save(got, f"{out}/0.pt")
+        open(done, "w").close()
+    else:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def test_a_peer_gone_inside_the_collective_is_a_named_error(tmp_path):
+    """Seed 100026 of the reliability campaign: a rank stopped after the meeting of save_state_global
+    left its peers with gloo's bare "Timed out waiting 60000ms for recv operation" RuntimeError. Saw
+    this test fail before the fix (a RuntimeError, not a StatefulsetError)."""
+    spawn(_one_rank_leaves_the_collective, 2, tmp_path, str(tmp_path), timeout=120)
+    kind, text = torch.load(tmp_path / "0.pt")
+    assert kind == "error", text
+    assert text.startswith(
+        "save_state_global: the gather over the data-parallel group (2 ranks) failed on global rank 0"
+    )
+    assert "process group's timeout" in text

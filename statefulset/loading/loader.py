@@ -222,7 +222,7 @@ class SavableLoader:
             ) from None
         meet("save_state_global", group, self.collective_timeout, f"global_dst_rank={global_dst_rank}")
         # Fixed slots (statefulset.parallel.exchange): O(W) bytes, no all-gather of sizes.
-        gathered = gather_bytes(encode_state(state), global_dst_rank, group)
+        gathered = gather_bytes(encode_state(state), global_dst_rank, group, what="save_state_global")
         return [decode_state(data) for data in gathered] if gathered is not None else None
 
     def restore_state_global(self, state: list[dict[str, Any]] | None, src_rank: int | None = None) -> None:
@@ -286,7 +286,11 @@ class SavableLoader:
             except StatefulsetError as exc:
                 error = str(exc)  # every rank raises it (the exchange fits it to its slot)
         # Every rank takes part in the scatter whatever happened here, so none waits in it alone.
-        got = msgpack.unpackb(scatter_bytes(items, source, group, error, f"DP rank {src_rank}, which checked it"))
+        got = msgpack.unpackb(
+            scatter_bytes(
+                items, source, group, error, f"DP rank {src_rank}, which checked it", what="restore_state_global"
+            )
+        )
         if got["fingerprint"] != stream.fingerprint:
             raise StatefulsetError(
                 f"restore_state_global: DP rank {wc.rank} opened other data than DP rank {src_rank} "

@@ -13,6 +13,12 @@ group's timeout. A payload that does not fit, or an error the sending rank wants
 to raise, travels as an *error slot* instead (the header's top bit set, the UTF-8 message fitted
 to the slot on a character boundary), and every rank that receives it raises a
 ``StatefulsetError`` naming the rank it came from.
+
+The callers meet their peers first (:mod:`statefulset.parallel.arrival`), so a rank that never
+comes is named within ``collective_timeout``. A peer that met and then stopped or died inside the
+collective leaves the others waiting until the process group's own timeout; its backend error
+(gloo: "Timed out waiting ... for recv operation") is raised as a ``StatefulsetError`` naming the
+call, the collective and this rank (found by the reliability campaign, seed 100026).
 """
 
 from __future__ import annotations
@@ -76,7 +82,19 @@ def _raise_from(data: bytes, source: str) -> None:
     raise StatefulsetError(f"{data.decode('utf-8', errors='replace')} (sent by {source})")
 
 
-def gather_bytes(data: bytes, dst: int, group: Any = None) -> list[bytes] | None:
+def _collective(what: str, op: str, group: Any, call: Any) -> None:
+    """``call()`` (one collective), its backend's failure raised as a StatefulsetError naming ``what``."""
+    try:
+        call()
+    except RuntimeError as exc:  # gloo's and NCCL's errors (timeouts included) are RuntimeErrors
+        raise StatefulsetError(
+            f"{what}: the {op} over the data-parallel group ({dist.get_world_size(group)} ranks) failed on global "
+            f"rank {dist.get_rank()}: a peer that reached it stopped or died inside it, and this rank waited until "
+            f"the process group's timeout ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def gather_bytes(data: bytes, dst: int, group: Any = None, what: str = "gather_bytes") -> list[bytes] | None:
     """Every rank's ``data`` at global rank ``dst`` (in group-rank order); None elsewhere.
 
     A payload that does not fit its slot makes its own rank and ``dst`` raise, after the gather.
@@ -86,7 +104,7 @@ def gather_bytes(data: bytes, dst: int, group: Any = None) -> list[bytes] | None
     mine = _pack(data, device, me)
     size = dist.get_world_size(group)
     slots = [torch.empty(SLOT, dtype=torch.uint8, device=device) for _ in range(size)] if me == dst else None
-    dist.gather(mine, slots, dst=dst, group=group)
+    _collective(what, "gather", group, lambda: dist.gather(mine, slots, dst=dst, group=group))
     if len(data) > PAYLOAD:
         _raise_from(_unpack(mine)[0], f"global rank {me}")
     if slots is None:
@@ -102,7 +120,12 @@ def gather_bytes(data: bytes, dst: int, group: Any = None) -> list[bytes] | None
 
 
 def scatter_bytes(
-    items: list[bytes] | None, src: int, group: Any = None, error: str | None = None, source: str | None = None
+    items: list[bytes] | None,
+    src: int,
+    group: Any = None,
+    error: str | None = None,
+    source: str | None = None,
+    what: str = "scatter_bytes",
 ) -> bytes:
     """Group rank ``r`` receives ``items[r]``, which only global rank ``src`` passes.
 
@@ -128,7 +151,7 @@ def scatter_bytes(
         else:
             slots = [_pack(item, device, src) for item in items]  # type: ignore[union-attr]
     out = torch.empty(SLOT, dtype=torch.uint8, device=device)
-    dist.scatter(out, slots, src=src, group=group)
+    _collective(what, "scatter", group, lambda: dist.scatter(out, slots, src=src, group=group))
     payload, failed = _unpack(out)
     if failed:
         _raise_from(payload, source or f"global rank {src}")
