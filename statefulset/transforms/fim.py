@@ -1,0 +1,364 @@
+"""Fill-in-the-middle as Megatron-LM's ``GPTFIMDataset``, with keyed randomness (CONTRACT §15).
+
+The rules are Megatron-LM's (``megatron/training/datasets/fim_dataset.py``, read at d98e8a6):
+
+- A sample's *segments* are FIM'd one by one. Megatron-LM's segments are the runs between EOD
+  tokens, the EOD tokens staying where they are; here they are the sample's documents where it has
+  ``cu_seqlens`` (the shard's sequences, never a scan), each split again at ``eod_id`` when that is
+  given (Megatron-LM's ``--fim-eod-token``), else the whole sample.
+- A segment is FIM'd with probability ``rate``. With ``split_sample`` and the segment holding that
+  token, one draw at ``rate`` decides for the segment, then each fragment between split tokens is
+  FIM'd with probability ``fragment_rate``; the split tokens stay where they are.
+- FIM: two cut points drawn uniformly from ``0..n`` (n tokens; in tokenizer mode n characters of
+  the segment decoded without special tokens, each piece tokenised again), sorted; the pieces are
+  laid out as PSM ``[prefix_id] prefix [suffix_id] suffix [middle_id] middle`` or, with probability
+  ``spm_rate``, SPM ``[prefix_id, suffix_id] suffix [middle_id] prefix middle``.
+- ``no_prefix``: a segment (or fragment) that starts with it is left as it is (after the ``rate``
+  draw, as Megatron-LM). A string is compared with the decoded text (tokenizer mode), token ids with
+  the tokens.
+- The sample keeps its ``seq_length + 1`` tokens: cut at the end when longer, padded at the end
+  with ``pad_id`` when shorter (only tokenizer mode can shrink a segment).
+
+Randomness comes only from the ``rng`` the loader passes (keyed by spec seed, encoder and
+``sample_id``), drawn in Megatron-LM's order: the rate, the two cut points, the SPM choice.
+How the document fields and ``loss_mask`` follow the permuted pieces: docs/transforms.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import numpy
+
+from statefulset.errors import StatefulsetError
+from statefulset.streams.documents import Pieces, document_fields
+from statefulset.transforms.fim_text import TextCodec, text_codec
+from statefulset.transforms.sample import TokenSample
+
+# One run of output tokens: its tokens, their token-level loss mask (None: the sample has none), and
+# the document (segment of cu_seqlens) each token belongs to.
+Run = tuple[numpy.ndarray, "numpy.ndarray | None", numpy.ndarray]
+# Tokens and their mask, before documents are attached.
+Span = tuple[numpy.ndarray, "numpy.ndarray | None"]
+
+
+class FillInTheMiddle:
+    """Megatron-LM's fill-in-the-middle over token samples, as a task encoder (docs/transforms.md).
+
+    ``rate``, ``spm_rate``, ``split_sample``, ``fragment_rate`` and ``no_prefix`` are Megatron-LM's
+    ``--fim-rate``, ``--fim-spm-rate``, ``--fim-split-sample`` (here a token id),
+    ``--fim-fragment-rate`` and ``--fim-no-prefix``; ``prefix_id``, ``middle_id``, ``suffix_id``,
+    ``pad_id`` and ``eod_id`` the ids of ``--fim-{prefix,middle,suffix,pad,eod}-token``. Without a
+    tokenizer the cut points are token positions; with one (a ``tokenizers.Tokenizer``, a
+    ``TokenizerSpec`` or anything with ``encode``/``decode``) they are characters, as Megatron-LM.
+    ``rate=0`` returns every sample as it is.
+    """
+
+    version = 1
+
+    def __init__(
+        self,
+        rate: float,
+        spm_rate: float,
+        prefix_id: int,
+        middle_id: int,
+        suffix_id: int,
+        pad_id: int,
+        split_sample: int | None = None,
+        fragment_rate: float = 0.0,
+        no_prefix: str | int | tuple[int, ...] | None = None,
+        tokenizer: Any = None,
+        *,
+        eod_id: int | None = None,
+    ) -> None:
+        self.rate = _probability("rate", rate)
+        self.spm_rate = _probability("spm_rate", spm_rate)
+        self.fragment_rate = _probability("fragment_rate", fragment_rate)
+        self.prefix_id = _token_id("prefix_id", prefix_id)
+        self.middle_id = _token_id("middle_id", middle_id)
+        self.suffix_id = _token_id("suffix_id", suffix_id)
+        self.pad_id = _token_id("pad_id", pad_id)
+        self.split_sample = None if split_sample is None else _token_id("split_sample", split_sample)
+        self.eod_id = None if eod_id is None else _token_id("eod_id", eod_id)
+        self.no_prefix = _no_prefix(no_prefix, tokenizer)
+        self.tokenizer = tokenizer
+        self._codec: TextCodec | None = None
+        if tokenizer is not None:
+            self._codec = text_codec(tokenizer)  # checks the tokenizer now, in the caller's process
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(vars(self))
+        state["_codec"] = None  # built again where it is used (a worker process)
+        return state
+
+    def __repr__(self) -> str:
+        shown = ("rate", "spm_rate", "prefix_id", "middle_id", "suffix_id", "pad_id", "split_sample")
+        more = ("fragment_rate", "no_prefix", "eod_id")
+        args = [f"{k}={getattr(self, k)!r}" for k in shown]
+        args += [f"{k}={getattr(self, k)!r}" for k in more if getattr(self, k) not in (None, 0.0)]
+        if self.tokenizer is not None:
+            args.append(f"tokenizer={type(self.tokenizer).__qualname__}")
+        return f"FillInTheMiddle({', '.join(args)})"
+
+    @property
+    def codec(self) -> TextCodec | None:
+        if self._codec is None and self.tokenizer is not None:
+            self._codec = text_codec(self.tokenizer)
+        return self._codec
+
+    def encode_sample(self, sample: TokenSample, rng: numpy.random.Generator) -> TokenSample:
+        """``sample`` with its segments FIM'd; all randomness from ``rng``."""
+        if self.rate == 0.0:
+            return sample
+        text = numpy.asarray(sample.text)
+        if text.ndim != 1 or text.size < 2:
+            raise StatefulsetError(
+                f"FillInTheMiddle: sample {sample.sample_id} ({sample.source}): text has shape {text.shape}, "
+                "not [seq_length + 1]"
+            )
+        mask = _token_mask(sample, text.size)
+        if mask is None and self.tokenizer is not None:
+            mask = numpy.ones(text.size, dtype=numpy.float32)  # padding may come: every sample gets a mask
+        docs = _document_of_tokens(sample, text.size)
+        tail = _tail_start(mask, text.size)
+        runs, changed = self._transform(text, mask, docs, tail, rng)
+        if not changed:
+            if mask is None or sample.loss_mask is not None:
+                return sample
+            out = copy.copy(sample)
+            out.loss_mask = mask[1:].copy()
+            return out
+        return self._rebuilt(sample, runs, text.size, _pad_document(docs, tail))
+
+    def _transform(
+        self,
+        text: numpy.ndarray,
+        mask: numpy.ndarray | None,
+        docs: numpy.ndarray,
+        tail: int,
+        rng: numpy.random.Generator,
+    ) -> tuple[list[Run], bool]:
+        """The sample's runs after FIM, in order; whether any segment changed."""
+        runs: list[Run] = []
+        changed = False
+        for start, end in _runs_of(docs[:tail]):
+            doc = int(docs[start])
+            for a, b, fim in self._eod_split(text, start, end):
+                segment = (text[a:b], None if mask is None else mask[a:b])
+                spans, done = self._split_and_permute(segment, rng) if fim else ([segment], False)
+                changed |= done
+                runs.extend((t, m, numpy.full(t.size, doc, dtype=numpy.int64)) for t, m in spans)
+        if tail < text.size:  # padding (or trailing masked tokens): kept, never FIM'd
+            runs.append((text[tail:], None if mask is None else mask[tail:], docs[tail:]))
+        return runs, changed
+
+    def _eod_split(self, text: numpy.ndarray, start: int, end: int) -> list[tuple[int, int, bool]]:
+        """Spans of ``[start, end)``: (a, b, FIM it?); EOD tokens kept in place (Megatron-LM's segments)."""
+        if self.eod_id is None:
+            return [(start, end, True)]
+        spans = []
+        current = start
+        for loc in (start + numpy.flatnonzero(text[start:end] == self.eod_id)).tolist():
+            if loc > current:
+                spans.append((current, loc, True))
+            spans.append((loc, loc + 1, False))
+            current = loc + 1
+        if end > current:
+            spans.append((current, end, True))
+        return spans
+
+    def _split_and_permute(self, segment: Span, rng: numpy.random.Generator) -> tuple[list[Span], bool]:
+        """One segment, split at ``split_sample`` when it holds that token (Megatron-LM's rule)."""
+        tokens, mask = segment
+        if self.split_sample is None:
+            return self._permute(segment, self.rate, rng)
+        breaks = numpy.flatnonzero(tokens == self.split_sample).tolist()
+        if not breaks:
+            return self._permute(segment, self.rate, rng)
+        if not rng.binomial(1, self.rate):
+            return [segment], False
+        spans: list[Span] = []
+        changed = False
+        current = 0
+        for loc in [*breaks, tokens.size]:
+            if loc > current:  # an empty fragment is no FIM (Megatron-LM FIMs an empty last one)
+                fragment = (tokens[current:loc], None if mask is None else mask[current:loc])
+                got, done = self._permute(fragment, self.fragment_rate, rng)
+                spans.extend(got)
+                changed |= done
+            if loc < tokens.size:
+                spans.append((tokens[loc : loc + 1], None if mask is None else mask[loc : loc + 1]))
+            current = loc + 1
+        return spans, changed
+
+    def _permute(self, segment: Span, rate: float, rng: numpy.random.Generator) -> tuple[list[Span], bool]:
+        """FIM one segment with probability ``rate``: ([its spans], changed)."""
+        tokens, mask = segment
+        codec = self.codec
+        if codec is not None and mask is not None and mask.size and mask.min() != mask.max():
+            return [segment], False  # a per-token mask cannot follow a character cut: left as it is
+        if not rng.binomial(1, rate):
+            return [segment], False
+        if codec is None:
+            if isinstance(self.no_prefix, tuple) and _starts_with(tokens, self.no_prefix):
+                return [segment], False
+            lo, hi = sorted(rng.integers(0, tokens.size + 1, size=2).tolist())
+            pieces = [(tokens[:lo], _part(mask, 0, lo)), (tokens[lo:hi], _part(mask, lo, hi))]
+            pieces.append((tokens[hi:], _part(mask, hi, tokens.size)))
+            sentinel = 1.0 if mask is None or mask.size == 0 else float(mask.max())
+        else:
+            contents = codec.decode(tokens)
+            if isinstance(self.no_prefix, str) and contents.startswith(self.no_prefix):
+                return [segment], False
+            if isinstance(self.no_prefix, tuple) and _starts_with(tokens, self.no_prefix):
+                return [segment], False
+            lo, hi = sorted(rng.integers(0, len(contents) + 1, size=2).tolist())
+            value = 1.0 if mask is None or mask.size == 0 else float(mask[0])
+            encoded = [codec.encode(contents[:lo]), codec.encode(contents[lo:hi]), codec.encode(contents[hi:])]
+            pieces = [(t, None if mask is None else numpy.full(t.size, value, dtype=numpy.float32)) for t in encoded]
+            sentinel = value
+        return [self._layout(pieces, sentinel, mask is not None, rng)], True
+
+    def _layout(self, pieces: list[Span], sentinel: float, masked: bool, rng: numpy.random.Generator) -> Span:
+        """PSM ``<P> prefix <S> suffix <M> middle`` or SPM ``<P> <S> suffix <M> prefix middle``."""
+        (prefix, prefix_mask), (middle, middle_mask), (suffix, suffix_mask) = pieces
+        pre, mid, suf = ([self.prefix_id], [self.middle_id], [self.suffix_id])
+        one = numpy.array([sentinel], dtype=numpy.float32)
+        if rng.binomial(1, self.spm_rate):
+            order = [pre, suf, suffix, mid, prefix, middle]
+            masks = [one, one, suffix_mask, one, prefix_mask, middle_mask]
+        else:
+            order = [pre, prefix, suf, suffix, mid, middle]
+            masks = [one, prefix_mask, one, suffix_mask, one, middle_mask]
+        tokens = numpy.concatenate([numpy.asarray(t, dtype=numpy.int64) for t in order])
+        return tokens, numpy.concatenate(masks).astype(numpy.float32) if masked else None  # type: ignore[arg-type]
+
+    def _rebuilt(self, sample: TokenSample, runs: list[Run], width: int, pad_doc: int) -> TokenSample:
+        """The sample from its runs: cut or padded to ``width`` tokens, its fields following the pieces."""
+        tokens = numpy.concatenate([r[0] for r in runs]).astype(numpy.int64)
+        docs = numpy.concatenate([r[2] for r in runs])
+        masked = runs[0][1] is not None
+        mask = numpy.concatenate([r[1] for r in runs]).astype(numpy.float32) if masked else None  # type: ignore[misc]
+        if tokens.size > width:
+            tokens, docs = tokens[:width], docs[:width]
+            mask = None if mask is None else mask[:width]
+        elif tokens.size < width:
+            missing = width - tokens.size
+            if mask is None:
+                raise StatefulsetError("internal: FillInTheMiddle shrank a sample that has no loss mask")
+            tokens = numpy.concatenate([tokens, numpy.full(missing, self.pad_id, dtype=numpy.int64)])
+            docs = numpy.concatenate([docs, numpy.full(missing, pad_doc, dtype=numpy.int64)])
+            mask = numpy.concatenate([mask, numpy.zeros(missing, dtype=numpy.float32)])
+        out = copy.copy(sample)
+        out.text = tokens
+        if mask is not None:
+            out.loss_mask = mask[1:].copy()
+        if sample.cu_seqlens is not None:
+            _set_document_fields(out, sample, docs, width - 1)
+        return out
+
+
+def _set_document_fields(out: TokenSample, sample: TokenSample, docs: numpy.ndarray, seq_length: int) -> None:
+    """``cu_seqlens``, ``max_seqlen``, ``position_ids`` of the permuted documents (statefulset's rule)."""
+    lengths = numpy.array([b - a for a, b in _runs_of(docs)], dtype=numpy.int64)
+    pieces = Pieces(numpy.array([lengths.size]), lengths, numpy.array([seq_length + 1]))
+    fields = document_fields(pieces, seq_length)
+    out.cu_seqlens = fields["cu_seqlens"][0].copy()
+    if sample.max_seqlen is not None:
+        top = fields["max_seqlen"][0]
+        out.max_seqlen = numpy.asarray(top) if isinstance(sample.max_seqlen, numpy.ndarray) else numpy.int32(top)
+    if sample.position_ids is not None:
+        out.position_ids = fields["position_ids"][0].copy()
+
+
+def _runs_of(docs: numpy.ndarray) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of equal values."""
+    if docs.size == 0:
+        return []
+    cuts = (numpy.flatnonzero(docs[1:] != docs[:-1]) + 1).tolist()
+    bounds = [0, *cuts, int(docs.size)]
+    return list(itertools.pairwise(bounds))
+
+
+def _token_mask(sample: TokenSample, width: int) -> numpy.ndarray | None:
+    """Per token: 1 where it is a label with loss (``loss_mask`` shifted by one); token 0 as token 1."""
+    if sample.loss_mask is None:
+        return None
+    given = numpy.asarray(sample.loss_mask, dtype=numpy.float32)
+    if given.shape != (width - 1,):
+        raise StatefulsetError(
+            f"FillInTheMiddle: sample {sample.sample_id} ({sample.source}): loss_mask has shape {given.shape}, "
+            f"not [{width - 1}] (one per label text[1:])"
+        )
+    mask = numpy.empty(width, dtype=numpy.float32)
+    mask[1:] = given
+    mask[0] = given[0]
+    return mask
+
+
+def _document_of_tokens(sample: TokenSample, width: int) -> numpy.ndarray:
+    """Each of the ``seq_length + 1`` tokens' document, from ``cu_seqlens`` (one document without it)."""
+    if sample.cu_seqlens is None:
+        return numpy.zeros(width, dtype=numpy.int64)
+    cu = numpy.asarray(sample.cu_seqlens, dtype=numpy.int64)
+    starts = numpy.unique(cu[(cu > 0) & (cu < width - 1)])
+    return numpy.searchsorted(starts, numpy.arange(width), side="right").astype(numpy.int64)
+
+
+def _tail_start(mask: numpy.ndarray | None, width: int) -> int:
+    """Where the trailing tokens without loss begin (bestfit's padding): they are never FIM'd."""
+    if mask is None:
+        return width
+    kept = numpy.flatnonzero(mask)
+    return int(kept[-1]) + 1 if kept.size else 0
+
+
+def _pad_document(docs: numpy.ndarray, tail: int) -> int:
+    """The document that added padding joins: the padding segment the sample ends with, else a new one."""
+    if tail < docs.size and (tail == 0 or docs[tail] != docs[tail - 1]) and docs[tail] == docs[-1]:
+        return int(docs[-1])
+    return -1
+
+
+def _part(mask: numpy.ndarray | None, a: int, b: int) -> numpy.ndarray | None:
+    return None if mask is None else mask[a:b]
+
+
+def _starts_with(tokens: numpy.ndarray, prefix: tuple[int, ...]) -> bool:
+    return tokens.size >= len(prefix) and bool((tokens[: len(prefix)] == numpy.asarray(prefix)).all())
+
+
+def _probability(name: str, value: Any) -> float:
+    try:
+        found = float(value)
+    except (TypeError, ValueError):
+        found = float("nan")
+    if isinstance(value, bool) or not 0.0 <= found <= 1.0:
+        raise StatefulsetError(f"FillInTheMiddle: {name}={value!r} is not a probability in [0, 1]")
+    return found
+
+
+def _token_id(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, numpy.integer)):
+        raise StatefulsetError(f"FillInTheMiddle: {name}={value!r} is not a token id (an int)")
+    return int(value)
+
+
+def _no_prefix(value: Any, tokenizer: Any) -> str | tuple[int, ...] | None:
+    """A string (compared with decoded text: needs a tokenizer) or token ids (compared with tokens)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if tokenizer is None:
+            raise StatefulsetError(
+                f"FillInTheMiddle: no_prefix={value!r} is text, which needs tokenizer=; without one give token ids"
+            )
+        found: str | tuple[int, ...] = value
+    else:
+        ids = (value,) if isinstance(value, (int, numpy.integer)) else tuple(value)
+        found = tuple(_token_id("no_prefix", v) for v in ids)
+    if not found:  # every segment starts with nothing: FIM would never apply
+        raise StatefulsetError(f"FillInTheMiddle: no_prefix={value!r} is empty (use None for no such rule)")
+    return found
