@@ -1,6 +1,6 @@
 """The package layout shows the data flow, and the rules that keep it so hold (issue 11).
 
-spec → shards → index → streams → loading → integrations; parallel beside them; tools on top.
+spec → shards → index → streams → transforms → loading → integrations; parallel beside them; tools on top.
 A module may import only its own layer and the layers below it, no import cycle exists (imports
 inside functions count; ``if TYPE_CHECKING:`` blocks do not), no module grows past 500 lines, and
 ``import statefulset`` imports no framework.
@@ -23,10 +23,11 @@ ALLOWED = {
     "shards": {"errors", "settings"},
     "index": {"errors", "settings", "shards"},
     "streams": {"errors", "settings", "spec", "shards", "index"},
+    "transforms": {"errors", "settings", "spec", "shards", "index", "streams"},
     "parallel": {"errors", "settings"},
-    "loading": {"errors", "settings", "spec", "shards", "index", "streams", "parallel"},
-    "integrations": {"errors", "settings", "spec", "shards", "index", "streams", "parallel", "loading"},
-    "tools": {"errors", "settings", "spec", "shards", "index", "streams", "parallel", "loading"},
+    "loading": {"errors", "settings", "spec", "shards", "index", "streams", "transforms", "parallel"},
+    "integrations": {"errors", "settings", "spec", "shards", "index", "streams", "transforms", "parallel", "loading"},
+    "tools": {"errors", "settings", "spec", "shards", "index", "streams", "transforms", "parallel", "loading"},
 }
 MAX_LINES = 500
 
