@@ -41,6 +41,8 @@ _LAZY = {
     "NanotronDataLoader": "statefulset.integrations.nanotron.dataloader",
     "build_nanotron_dataloader": "statefulset.integrations.nanotron.dataloader",
     "StatefulsetDataModule": "statefulset.integrations.lightning.datamodule",
+    "TokenSample": "statefulset.transforms.sample",
+    "stateless": "statefulset.transforms.keyed",
 }
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "SavableLoader",
     "StatefulsetError",
     "StreamDataset",
+    "TokenSample",
     "WorkerConfig",
     "build_megatron_iterators",
     "build_nanotron_dataloader",
@@ -71,6 +74,7 @@ __all__ = [
     "load_spec",
     "merge_datasets",
     "open_stream",
+    "stateless",
 ]
 __version__ = "0.1.0"
 

@@ -225,9 +225,9 @@ def test_bad_arguments(spec):
     with pytest.raises(StatefulsetError, match="unknown keyword"):
         get_train_dataset(spec, batch_size=2, worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), x=1)
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    with pytest.raises(StatefulsetError, match="task_encoder=object: statefulset yields packed token batches"):
+    with pytest.raises(StatefulsetError, match="task encoder object has no encode_sample"):
         get_train_dataset(spec, batch_size=2, worker_config=wc, task_encoder=object())
-    with pytest.raises(StatefulsetError, match="task_encoder=object"):
+    with pytest.raises(StatefulsetError, match="task encoder object has no encode_sample"):
         get_val_dataset(spec, batch_size=2, worker_config=wc, task_encoder=object())
     loader = loader_for(spec, batch_size=2)
     for bad in (-1, 2**62, 3.0, True):

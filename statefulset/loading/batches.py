@@ -40,10 +40,12 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from statefulset.errors import StatefulsetError
+from statefulset.loading.encoded import received, serve_encoded
 from statefulset.loading.read_ahead import read_ahead, read_ahead_depth
 from statefulset.loading.state import Cursor
 from statefulset.streams.base import SampleStream
 from statefulset.streams.documents import FieldSpec, gather_fields
+from statefulset.streams.provenance import source_prefixes
 
 # A worker sends batches in bundles of about this many bytes: each DataLoader round trip (index
 # queue, result queue, their feeder threads) costs ~0.3 ms of CPU here, which one 32 KB batch
@@ -156,6 +158,7 @@ class BatchSource(IterableDataset):
         wrap: int | None,
         ring: BatchRing | None,
         boundaries: bool = False,
+        encoder: Any = None,
     ) -> None:
         self.stream = stream
         self.cursor = cursor
@@ -163,6 +166,9 @@ class BatchSource(IterableDataset):
         self.wrap = wrap
         self.ring = ring
         self.boundaries = boundaries  # add cu_seqlens, max_seqlen, position_ids
+        # A TaskEncoderRunner (statefulset.transforms.encoder): batches then travel as
+        # statefulset.loading.encoded describes, not through the ring's slots.
+        self.encoder = encoder
 
     def positions(self, t: int) -> numpy.ndarray:
         """The stream positions that batch ``t`` reads (its sample ids modulo a validation wrap)."""
@@ -198,17 +204,29 @@ class BatchSource(IterableDataset):
             for t in numbers:
                 yield t, None  # built by the caller, straight into its buffer
 
+    def encoded(self, t: int, rows: Any) -> Any:
+        """Batch ``t`` through the task encoder (``rows``: its fields, a future of them, or None to build)."""
+        fields = rows.result() if rows is not None else self._build(t)
+        sources = source_prefixes(self.stream, self.positions(t))
+        return self.encoder.micro_batch(fields, self.cursor.positions(t), sources)
+
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         if info is None:  # num_workers=0: the trainer process builds int64 rows itself
             self.stream.check_unchanged()  # a new pass (epoch, validation round) over replaced files
             for t, rows in self.batches(numpy.int64):
-                yield t, (rows.result() if rows is not None else self._build(t))
+                if self.encoder is not None:
+                    yield "local", t, self.encoded(t, rows)
+                else:
+                    yield t, (rows.result() if rows is not None else self._build(t))
             return
         ring = self.ring
         if ring is None:
             raise StatefulsetError("internal: a worker started without its batch ring")
         ring.started[info.id] = 1
+        if self.encoder is not None:
+            yield from serve_encoded(self, info.id, info.num_workers, ring.bundle)
+            return
         t = None
         try:
             self.stream.check_unchanged()  # a worker (re)started: the .bin files are still the ones opened
@@ -245,12 +263,17 @@ def _sent(ring: BatchRing, worker: int, slot: int, first: int, count: int) -> tu
     return "bundle", worker, slot, first, count
 
 
-def receive(source: BatchSource, item: Any, expected: int) -> list[dict[str, torch.Tensor]]:
+def receive(source: BatchSource, item: Any, expected: int) -> list[Any]:
     """The trainer's batches from what a worker (or the in-process source) handed over."""
     if item[0] == "error":
         _, worker, t, message = item
         where = f"micro-batch {t}" if t is not None else "its first micro-batch"
         raise StatefulsetError(f"DataLoader worker {worker}, building {where}: {message}")
+    if item[0] in ("encoded", "local"):
+        t, batches = received(item) if item[0] == "encoded" else (item[1], [item[2]])
+        if t != expected:
+            raise StatefulsetError(f"internal: expected micro-batch {expected}, a worker delivered {t}")
+        return batches
     if item[0] == "bundle":
         _, worker, slot, t, count = item
         if t != expected:

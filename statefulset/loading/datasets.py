@@ -23,7 +23,7 @@ from statefulset.spec.model import DatasetSpec
 from statefulset.streams.base import SampleStream
 from statefulset.streams.documents import FieldSpec, field_layout, gather_fields
 from statefulset.streams.opening import open_stream
-from statefulset.streams.provenance import Provenance
+from statefulset.streams.provenance import Provenance, source_prefixes
 
 _SPLIT_NAMES = {"train": "train", "val": "valid", "valid": "valid", "validation": "valid", "test": "test"}
 
@@ -39,6 +39,7 @@ class StreamDataset:
         repeat: bool,
         limit: int | None = None,
         document_boundaries: bool = False,
+        task_encoder: Any = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise StatefulsetError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -50,6 +51,8 @@ class StreamDataset:
         self.worker_config = worker_config
         self.repeat = repeat
         self.limit = limit
+        # The encoder as the workers run it (statefulset.transforms.encoder), or None.
+        self.encoder = _runner(task_encoder, stream)
 
     @property
     def split(self) -> str:
@@ -77,8 +80,16 @@ class StreamDataset:
         stream = self.stream
         return field_layout(stream.seq_length, stream.token_dtype, self.document_boundaries, stream.padded)
 
-    def __getitem__(self, position: int) -> dict[str, Any]:
+    @property
+    def task_encoder(self) -> Any:
+        """The task encoder the dataset was built with, or None."""
+        return None if self.encoder is None else self.encoder.encoder
+
+    def __getitem__(self, position: int) -> Any:
         """``{"text": int64 [seq_length + 1], "sample_id": p, ...}``: the sample at global position ``p``.
+
+        With a task encoder: what its ``encode_sample`` returns for the TokenSample at ``p`` (keyed as
+        in the loader, so the same as the loader's row).
 
         A pure function of the spec and ``p``, the same in every process, worker and rank. A finite
         (megatron) stream that repeats reads position ``p`` as ``p % len(stream)``, as the loader does.
@@ -90,6 +101,9 @@ class StreamDataset:
         p = int(position)
         read = numpy.array([self._read_position(p)], dtype=numpy.int64)
         rows = gather_fields(self.stream, read, self.document_boundaries)
+        if self.encoder is not None:
+            source = source_prefixes(self.stream, read)[0]
+            return self.encoder.sample(rows, 0, p, source)
         sample: dict[str, Any] = {name: value[0] for name, value in rows.items()}
         sample["sample_id"] = p
         return sample
@@ -108,7 +122,8 @@ class StreamDataset:
         p = int(position)
         read = self._read_position(p)
         found = self.stream.explain(read, tokenizer)
-        return replace(found, position=p, wrap=(p - read) // len(self.stream) if read != p else 0)
+        encoder = None if self.encoder is None else self.encoder.describe()
+        return replace(found, position=p, wrap=(p - read) // len(self.stream) if read != p else 0, task_encoder=encoder)
 
     def __len__(self) -> int:
         """Micro-batches per rank in one pass over the stream."""
@@ -119,8 +134,22 @@ class StreamDataset:
         wc = self.worker_config
         return (
             f"StreamDataset({self.stream!r}, batch_size={self.batch_size}, dp_rank={wc.rank}/{wc.world_size}, "
-            f"num_workers={wc.num_workers}, repeat={self.repeat})"
+            f"num_workers={wc.num_workers}, repeat={self.repeat}"
+            + (f", task_encoder={self.encoder.identity}" if self.encoder is not None else "")
+            + ")"
         )
+
+
+def _runner(task_encoder: Any, stream: SampleStream) -> Any:
+    """The encoder checked (refused hooks name themselves) and keyed by the spec's seed; None without one.
+
+    Imported here, not at the top: the runner needs torch, which ``import statefulset`` must not import.
+    """
+    if task_encoder is None:
+        return None
+    from statefulset.transforms.encoder import TaskEncoderRunner
+
+    return TaskEncoderRunner(task_encoder, stream.spec.seed, f"{stream.split} dataset")
 
 
 def _split(name: str) -> str:
@@ -153,10 +182,12 @@ def get_train_dataset(
     sample and batch (docs/packing.md).
     """
     _refuse_unknown(kwargs)
-    _refuse_task_encoder(task_encoder, batch_drop_last)
+    _check_drop_last(batch_drop_last)
     wc = worker_config if worker_config is not None else WorkerConfig.default_worker_config()
     stream = open_stream(path, _split(split_part))
-    return StreamDataset(stream, batch_size, wc, repeat=repeat, document_boundaries=document_boundaries)
+    return StreamDataset(
+        stream, batch_size, wc, repeat=repeat, document_boundaries=document_boundaries, task_encoder=task_encoder
+    )
 
 
 def get_val_dataset(
@@ -174,12 +205,15 @@ def get_val_dataset(
 ) -> StreamDataset:
     """The validation stream for this rank: one pass, never repeats; ``limit`` caps the batches."""
     _refuse_unknown(kwargs)
-    _refuse_task_encoder(task_encoder, batch_drop_last)
+    _check_drop_last(batch_drop_last)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise StatefulsetError(f"limit must be a non-negative int or None, got {limit!r}")
     wc = worker_config if worker_config is not None else WorkerConfig.default_worker_config()
     stream = open_stream(path, _split(split_part))
-    return StreamDataset(stream, batch_size, wc, repeat=False, limit=limit, document_boundaries=document_boundaries)
+    return StreamDataset(
+        stream, batch_size, wc, repeat=False, limit=limit, document_boundaries=document_boundaries,
+        task_encoder=task_encoder,
+    )  # fmt: skip
 
 
 # Energon keywords that configure features this design has no use for; accepted so calls port unchanged.
@@ -192,13 +226,6 @@ def _refuse_unknown(kwargs: dict[str, Any]) -> None:
         raise StatefulsetError(f"unknown keyword argument(s): {', '.join(unknown)}")
 
 
-def _refuse_task_encoder(task_encoder: Any, batch_drop_last: Any) -> None:
-    """Energon runs encoders per sample on webdataset fields; skipping one silently would train on other data."""
-    if task_encoder is not None:
-        raise StatefulsetError(
-            f"task_encoder={type(task_encoder).__name__}: statefulset yields packed token batches "
-            "(batch['text'], int64 [batch_size, seq_length + 1]) and runs no task encoder; apply your "
-            "encoding to the batch, or use Energon for webdataset samples"
-        )
+def _check_drop_last(batch_drop_last: Any) -> None:
     if batch_drop_last not in (False, True):
         raise StatefulsetError(f"batch_drop_last must be a bool, got {batch_drop_last!r}")

@@ -21,6 +21,7 @@ from statefulset.index.native.keys import derive_key
 from statefulset.loading import torch_internals
 from statefulset.loading.batches import BatchRing, BatchSource, bundle_size, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
+from statefulset.loading.encoded import pin
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog
 from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, stop_workers
@@ -36,10 +37,14 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
     workers = dataset.worker_config.num_workers
     ring = None
     if workers:
-        slots = options["prefetch_factor"] + 1  # see statefulset.loading.batches
+        # With a task encoder, batches travel as statefulset.loading.encoded describes: the ring
+        # then holds only the workers' start flags (no slots), and its bundle size.
+        slots = 0 if dataset.encoder is not None else options["prefetch_factor"] + 1  # see loading.batches
         fields = dataset.fields()
         ring = BatchRing(workers, slots, dataset.batch_size, fields, bundle_size(dataset.batch_size, fields))
-    source = BatchSource(stream, cursor, dataset.stop_batch(cursor), wrap, ring, dataset.document_boundaries)
+    source = BatchSource(
+        stream, cursor, dataset.stop_batch(cursor), wrap, ring, dataset.document_boundaries, dataset.encoder
+    )
     # Worker seeds come from our own generator: creating the iterator never draws from (or
     # reseeds) the trainer's global torch RNG.
     seed = derive_key(stream.spec.seed, dataset.worker_config.seed_offset, dataset.worker_config.rank) >> 1
@@ -154,7 +159,7 @@ class Delivery:
                 raise StatefulsetError(f"{describe_batch(self.source, self.next_t, self.workers)}: {text}") from exc
             raise
 
-    def __next__(self) -> dict[str, torch.Tensor]:
+    def __next__(self) -> Any:
         if self.superseded:
             raise StatefulsetError(
                 "this pass of a validation loader was superseded by a later iter() of the same loader: its "
@@ -170,7 +175,7 @@ class Delivery:
         self.next_t += 1
         self.first = False
         if self.pin:
-            batch = {k: v.pin_memory() for k, v in batch.items()}
+            batch = pin(batch)
         return batch
 
     def __iter__(self) -> Delivery:

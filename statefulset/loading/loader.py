@@ -15,12 +15,12 @@ import logging
 from typing import Any
 
 import msgpack
-import torch
 import torch.distributed as dist
 
 from statefulset.errors import StatefulsetError, check_int
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.delivery import Delivery
+from statefulset.loading.encoder_state import check_encoder, with_encoder
 from statefulset.loading.state import (
     Cursor,
     fit_global_state,
@@ -95,9 +95,18 @@ class SavableLoader:
     """
 
     def __init__(
-        self, dataset: StreamDataset, collective_timeout: float | None = DEFAULT_TIMEOUT, **options: Any
+        self,
+        dataset: StreamDataset,
+        collective_timeout: float | None = DEFAULT_TIMEOUT,
+        allow_changed_task_encoder: bool = False,
+        **options: Any,
     ) -> None:
+        if not isinstance(allow_changed_task_encoder, bool):
+            raise StatefulsetError(
+                f"allow_changed_task_encoder must be True or False, got {allow_changed_task_encoder!r}"
+            )
         self.dataset = dataset
+        self.allow_changed_task_encoder = allow_changed_task_encoder
         self.worker_config = dataset.worker_config
         self.collective_timeout = check_timeout(collective_timeout, "collective_timeout")
         self._options = _options(**options)
@@ -111,7 +120,7 @@ class SavableLoader:
             self._iterator = Delivery(self.dataset, self._cursor, self._options)
         return self
 
-    def __next__(self) -> dict[str, torch.Tensor]:
+    def __next__(self) -> Any:
         if self._iterator is None:
             iter(self)
         batch = next(self._iterator)
@@ -133,7 +142,14 @@ class SavableLoader:
     # -- rank state -----------------------------------------------------------------------------
     def save_state_rank(self) -> dict[str, Any]:
         """This rank's state: plain data, a few hundred bytes; safe to call at any step."""
-        return make_state(self.dataset.stream.identity, self._position(), self.worker_config.num_workers)
+        identity = with_encoder(self.dataset.stream.identity, self._encoder())
+        return make_state(identity, self._position(), self.worker_config.num_workers)
+
+    def _encoder(self) -> str | None:
+        return None if self.dataset.encoder is None else self.dataset.encoder.identity
+
+    def _check_encoder(self, states: Any, where: str) -> None:
+        check_encoder(states, self._encoder(), self.allow_changed_task_encoder, where)
 
     def _restore(self, cursor: Cursor) -> None:
         if self._iterator is not None:
@@ -157,6 +173,7 @@ class SavableLoader:
                 wc.rank,
             )
             return
+        self._check_encoder(state, f"state for DP rank {wc.rank}")
         self._restore(
             fit_rank_state(
                 state,
@@ -247,6 +264,7 @@ class SavableLoader:
                 return
         if state is None:
             raise StatefulsetError(f"restore_state_global: DP rank {wc.rank} received no state")
+        self._check_encoder(state, "global state")
         stream = self.dataset.stream
         self._restore(
             fit_global_state(
@@ -275,6 +293,7 @@ class SavableLoader:
         items, error = None, None
         if wc.rank == src_rank:
             try:
+                self._check_encoder(states, "global state")
                 cursors = fit_global_states(
                     states, stream.identity, wc.world_size, self.dataset.batch_size,
                     stream.source_prefixes, stream.legacy_data,
@@ -353,6 +372,7 @@ def get_savable_loader(
     multiprocessing_context: Any = None,
     timeout: float = 0,
     collective_timeout: float | None = DEFAULT_TIMEOUT,
+    allow_changed_task_encoder: bool = False,
 ) -> SavableLoader:
     """A loader whose state saves and restores exactly (Energon's signature).
 
@@ -363,11 +383,14 @@ def get_savable_loader(
     periodic worker snapshots; a state here is a cursor, so they have nothing to tune.
     ``collective_timeout`` bounds the wait of ``save_state_global`` / ``restore_state_global`` for
     the other DP ranks (seconds, default 300; see :class:`SavableLoader`).
+    ``allow_changed_task_encoder=True`` restores a state saved with another task encoder (or
+    version of it), logged at WARNING, instead of refusing it (docs/transforms.md).
     """
     _check_config(dataset, worker_config)
     return SavableLoader(
         dataset,
         collective_timeout=collective_timeout,
+        allow_changed_task_encoder=allow_changed_task_encoder,
         watchdog=Watchdog(watchdog_timeout_seconds, watchdog_initial_timeout_seconds, fail_on_timeout),
         prefetch_factor=prefetch_factor,
         pin_memory=pin_memory,

@@ -47,7 +47,9 @@ _IDENTITY_KEYS = {
 # digest] of every stage); states of the other specs stay as they were. "shards" (a few hex
 # digits per source, statefulset.shards.digests.shard_checks) names the shards that changed when
 # a restore is refused: in every state of version 2, in none of version 1.
-_OPTIONAL_IDENTITY_KEYS = {"pad_id": int, "bestfit": int, "stages": list, "shards": str}
+# "task_encoder": the encoder's identity (statefulset.loading.encoder_state compares it, so that a
+# changed encoder can be allowed).
+_OPTIONAL_IDENTITY_KEYS = {"pad_id": int, "bestfit": int, "stages": list, "shards": str, "task_encoder": str}
 # Present while few: the sources behind "data" / each stage, so that a refusal can say which weight
 # or range differs (statefulset.streams.members); descriptive only, never compared on their own.
 _DESCRIPTIVE_KEYS = {"members": False, "stage_members": True}
@@ -194,7 +196,8 @@ def check_identity(
     """
     saved = state["identity"]
     keys = [*_IDENTITY_KEYS, *_OPTIONAL_IDENTITY_KEYS]
-    differs = [key for key in keys if key not in ("stages", "shards") and saved.get(key) != identity.get(key)]
+    skipped = ("stages", "shards", "task_encoder")
+    differs = [key for key in keys if key not in skipped and saved.get(key) != identity.get(key)]
     named = changed_shards(saved.get("shards"), identity.get("shards"), list(sources))
     legacy = state["version"] == 1
     if "data" in differs and legacy and legacy_data is not None and saved["data"] == legacy_data:

@@ -1,0 +1,168 @@
+"""A task encoder as the loader runs it: checked once, then applied to each micro-batch in the workers.
+
+Energon's method names (``encode_sample``, optional ``batch``, optional ``encode_batch``) on any
+object or on a subclass of megatron-energon's ``TaskEncoder`` / ``DefaultTaskEncoder``; hooks
+that cannot be exact are refused (:mod:`statefulset.transforms.hooks`). A method marked
+``stateless(restore_seeds=True)`` (ours or Energon's) runs with the global RNGs keyed by
+``(spec seed, encoder identity, method, sample_id)`` (:mod:`statefulset.transforms.keyed`);
+``batch`` and ``encode_batch`` are keyed by the micro-batch's first ``sample_id``. A method with
+an ``rng`` parameter receives a Philox ``numpy.random.Generator`` keyed the same way.
+
+An unmarked method that draws from a global RNG would draw differently in every worker and after
+every resume: the first calls in each process compare the global RNG states before and after, and
+the first change is logged once at WARNING.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy
+
+from statefulset.errors import StatefulsetError
+from statefulset.transforms.collate import collate
+from statefulset.transforms.hooks import hook, refuse_hooks
+from statefulset.transforms.keyed import (
+    base_key,
+    encoder_identity,
+    keyed_generator,
+    keyed_globals,
+    restores_seeds,
+    save_globals,
+    takes_rng,
+    unwrapped,
+)
+from statefulset.transforms.sample import TokenSample
+
+_log = logging.getLogger("statefulset")
+# Calls per process whose global-RNG use is checked (a comparison of torch's 5 KB state each).
+_CHECKED_CALLS = 8
+_warned: set[str] = set()
+
+
+class _Method:
+    """One hook, with how to call it: keyed globals or not, an ``rng`` or not."""
+
+    def __init__(self, encoder: Any, name: str, bound: Any, seed: int, identity: str) -> None:
+        self.name = name
+        self.keyed = restores_seeds(bound)
+        self.rng = takes_rng(bound)
+        # The user's function under a seeding wrapper, called with the encoder: the keying is ours.
+        function = unwrapped(bound)
+        self.call: Callable[..., Any] = (
+            (lambda *args, **kw: function(encoder, *args, **kw)) if function is not getattr(bound, "__func__", bound)
+            else bound
+        )  # fmt: skip
+        self.key = base_key(seed, identity, name)
+        self.rng_key = base_key(seed, identity, name + "/rng")
+
+
+class TaskEncoderRunner:
+    """The encoder of a dataset: what the workers call per micro-batch, and its identity for states."""
+
+    def __init__(self, encoder: Any, seed: int, where: str = "task_encoder") -> None:
+        refuse_hooks(encoder, where)
+        self.encoder = encoder
+        self.identity = encoder_identity(encoder)
+        self.seed = int(seed)
+        self.encode = _Method(encoder, "encode_sample", encoder.encode_sample, self.seed, self.identity)
+        methods = {name: hook(encoder, name) for name in ("batch", "encode_batch")}
+        self.batch = _Method(encoder, "batch", methods["batch"], self.seed, self.identity) if methods["batch"] else None
+        self.encode_batch = (
+            _Method(encoder, "encode_batch", methods["encode_batch"], self.seed, self.identity)
+            if methods["encode_batch"]
+            else None
+        )
+        self._checks_left = _CHECKED_CALLS
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"encoder": self.encoder, "seed": self.seed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["encoder"], state["seed"])  # type: ignore[misc]
+
+    def describe(self) -> str:
+        """The encoder and its key, as ``explain`` names them."""
+        return f"{self.identity} (keyed by spec seed {self.seed} and sample_id)"
+
+    def _run(self, method: _Method, sample_id: int, argument: Any) -> Any:
+        kwargs = {"rng": keyed_generator(method.rng_key, sample_id)} if method.rng else {}
+        try:
+            if method.keyed:
+                with keyed_globals(method.key, sample_id):
+                    return method.call(argument, **kwargs)
+            if self._checks_left <= 0:
+                return method.call(argument, **kwargs)
+            self._checks_left -= 1
+            before = save_globals()
+            result = method.call(argument, **kwargs)
+            self._check_globals(method.name, before)
+            return result
+        except StatefulsetError:
+            raise
+        except Exception as exc:
+            raise StatefulsetError(
+                f"task encoder {self.identity}: {method.name} failed on sample {sample_id}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _check_globals(self, name: str, before: tuple[Any, Any, Any]) -> None:
+        after = save_globals()
+        changed = [
+            label
+            for label, same in (
+                ("random", before[0] == after[0]),
+                ("numpy.random", _same_numpy(before[1], after[1])),
+                ("torch", bool((before[2] == after[2]).all())),
+            )
+            if not same
+        ]
+        if changed and self.identity + name not in _warned:
+            _warned.add(self.identity + name)
+            self._checks_left = 0
+            _log.warning(
+                "statefulset: task encoder %s: %s draws from the global RNG(s) %s without "
+                "@stateless(restore_seeds=True): its draws then depend on the worker and the resume point, "
+                "not on the sample; decorate it (statefulset.stateless or megatron.energon.stateless) or take an "
+                "`rng` parameter (docs/transforms.md)",
+                self.identity,
+                name,
+                ", ".join(changed),
+            )
+
+    def sample(self, rows: dict[str, numpy.ndarray], i: int, sample_id: int, source: str) -> Any:
+        """Row ``i`` of a micro-batch's fields, as a TokenSample, encoded."""
+        sample = TokenSample(text=rows["text"][i], sample_id=int(sample_id), source=source)
+        for name, values in rows.items():
+            if name != "text":
+                setattr(sample, name, values[i])
+        encoded = self._run(self.encode, int(sample_id), sample)
+        if encoded is None or hasattr(encoded, "__next__"):
+            raise StatefulsetError(
+                f"task encoder {self.identity}: encode_sample returned "
+                f"{'None' if encoded is None else 'an iterator'} for sample {sample_id}: it must return one sample "
+                "(skipping or multiplying samples would make the stream depend on more than the position)"
+            )
+        return encoded
+
+    def micro_batch(self, rows: dict[str, numpy.ndarray], sample_ids: numpy.ndarray, sources: list[str]) -> Any:
+        """One micro-batch, encoded: ``batch`` (or the default collate) then ``encode_batch``."""
+        samples = [self.sample(rows, i, int(p), sources[i]) for i, p in enumerate(sample_ids)]
+        first = int(sample_ids[0])
+        if self.batch is None:
+            out: Any = collate(samples, f"task encoder {self.identity}")
+        else:
+            out = self._run(self.batch, first, samples)
+        if self.encode_batch is not None:
+            out = self._run(self.encode_batch, first, out)
+        return out
+
+
+def _same_numpy(a: Any, b: Any) -> bool:
+    return a[0] == b[0] and numpy.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
+
+
+def reset_warnings() -> None:
+    """Forget which encoders were warned about (tests)."""
+    _warned.clear()
