@@ -385,3 +385,33 @@ def test_any_sample_keeps_its_shape_and_tokens(drawn, seed, rate, split, eod):
     assert cu[0] == 0 and (numpy.diff(cu) >= 0).all() and cu[-1] == width - 1
     for a, b in itertools.pairwise(cu):
         assert out.position_ids[a:b].tolist() == list(range(b - a))
+
+
+# ---------------------------------------------------------------- through the loader
+
+
+@pytest.mark.parametrize("tokenizer", [None, "bytes"])
+def test_through_the_loader_workers_equal_ds_and_collate(tmp_path, tokenizer):
+    """As ``task_encoder=``: two workers give what ``ds[p]`` gives (the encoded TokenSample); in
+    tokenizer mode every sample has a ``loss_mask`` (padding may appear), so batches collate it."""
+    from statefulset import WorkerConfig, get_savable_loader
+    from statefulset.shards.tokenizers import TokenizerSpec
+    from statefulset.tools.demo import demo_spec
+
+    spec = demo_spec(str(tmp_path), documents=200, seq_length=64)
+    codec = TokenizerSpec() if tokenizer else None
+    encoder = FillInTheMiddle(0.7, 0.5, 257, 258, 259, 260, eod_id=256, tokenizer=codec)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+    ds = get_train_dataset(spec, batch_size=4, worker_config=wc, task_encoder=encoder)
+    batches = [b for _, b in zip(range(3), get_savable_loader(ds), strict=False)]
+    fimmed = 0
+    for batch in batches:
+        assert ("loss_mask" in batch) == bool(tokenizer)
+        for j, position in enumerate(batch["sample_id"].tolist()):
+            row = ds[position]
+            assert numpy.array_equal(batch["text"][j].numpy(), row.text)
+            if tokenizer:
+                assert numpy.array_equal(batch["loss_mask"][j].numpy(), row.loss_mask)
+                assert (batch["loss_mask"][j][batch["text"][j][1:] == 260] == 0).all()
+            fimmed += int((row.text == 257).any())
+    assert fimmed
