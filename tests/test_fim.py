@@ -415,3 +415,19 @@ def test_through_the_loader_workers_equal_ds_and_collate(tmp_path, tokenizer):
                 assert (batch["loss_mask"][j][batch["text"][j][1:] == 260] == 0).all()
             fimmed += int((row.text == 257).any())
     assert fimmed
+
+
+def test_trailing_tokens_without_loss_are_fimmed_with_their_document():
+    """Only padding (one value, no loss) stays at the end: a §16 document whose last labels carry no
+    loss (a prompt cut by the sample's end) is FIM'd whole, its tokens keeping their mask."""
+    tokens = list(range(24))
+    mask = numpy.array([1.0] * 19 + [0.0] * 4, numpy.float32)  # labels 20..23: no loss
+    moved = 0
+    for seed in range(40):
+        out = fim(1.0).encode_sample(plain(tokens, loss_mask=mask), generator(seed))
+        text = out.text.tolist()
+        moved += 21 in text and M in text and text.index(21) < text.index(M)
+        for token, loss in zip(text[1:], out.loss_mask.tolist(), strict=True):
+            if token not in SENTINELS and token != 0:
+                assert loss == float(token < 20)
+    assert moved

@@ -122,7 +122,7 @@ class FillInTheMiddle:
         if mask is None and self.tokenizer is not None:
             mask = numpy.ones(text.size, dtype=numpy.float32)  # padding may come: every sample gets a mask
         docs = _document_of_tokens(sample, text.size)
-        tail = _tail_start(mask, text.size)
+        tail = _tail_start(text, mask)
         runs, changed = self._transform(text, mask, docs, tail, rng)
         if not changed:
             if mask is None or sample.loss_mask is not None:
@@ -307,12 +307,15 @@ def _document_of_tokens(sample: TokenSample, width: int) -> numpy.ndarray:
     return numpy.searchsorted(starts, numpy.arange(width), side="right").astype(numpy.int64)
 
 
-def _tail_start(mask: numpy.ndarray | None, width: int) -> int:
-    """Where the trailing tokens without loss begin (bestfit's padding): they are never FIM'd."""
+def _tail_start(text: numpy.ndarray, mask: numpy.ndarray | None) -> int:
+    """Where the sample's padding begins (bestfit's: one value, no loss, to the end): never FIM'd.
+
+    Trailing tokens of other values without loss (a §16 prompt cut by the sample's end) are content.
+    """
     if mask is None:
-        return width
-    kept = numpy.flatnonzero(mask)
-    return int(kept[-1]) + 1 if kept.size else 0
+        return text.size
+    content = numpy.flatnonzero((mask != 0) | (text != text[-1]))
+    return int(content[-1]) + 1 if content.size else 0
 
 
 def _pad_document(docs: numpy.ndarray, tail: int) -> int:
