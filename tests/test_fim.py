@@ -431,3 +431,29 @@ def test_trailing_tokens_without_loss_are_fimmed_with_their_document():
             if token not in SENTINELS and token != 0:
                 assert loss == float(token < 20)
     assert moved
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.text(alphabet="ab c\né€😀", min_size=1, max_size=40),
+    st.integers(0, 2**32),
+    st.integers(0, 4),
+    st.sampled_from([0.0, 0.5, 1.0]),
+)
+def test_any_text_through_the_byte_tokenizer(text, seed, eods, spm_rate):
+    """Character cuts through statefulset's byte tokenizer: the length is kept, the pieces are the
+    text's own bytes (never a split character), padding (EODs decode to no text) has no loss."""
+    from statefulset.shards.tokenizers import TokenizerSpec
+
+    text = "x" + text  # a sample has at least 2 tokens
+    ids = [*text.encode(), *[256] * eods]
+    encoder = FillInTheMiddle(1.0, spm_rate, 300, 301, 302, 303, tokenizer=TokenizerSpec())
+    out = encoder.encode_sample(plain(ids), generator(seed))
+    got = out.text.tolist()
+    assert len(got) == len(ids) and out.loss_mask.shape == (len(ids) - 1,)
+    pieces = bytes(t for t in got if t < 256)
+    assert not Counter(pieces) - Counter(text.encode())
+    padded = len(ids) - (len(text.encode()) + 3)  # EODs dropped by the decode, 3 sentinels added
+    if padded > 0:
+        assert got[-padded:] == [303] * padded and out.loss_mask[-padded:].tolist() == [0.0] * padded
+        assert sorted(pieces) == sorted(text.encode())  # nothing cut: every byte is there
