@@ -80,11 +80,14 @@ def _map_dataclass(value: Any, fn: Any) -> Any:
     return copy
 
 
-def pack(values: list[Any]) -> tuple[torch.Tensor, list[Any]]:
-    """The bundle's arrays in one flat uint8 tensor, and the skeleton of each value."""
+def pack(values: list[Any], shared: bool = True) -> tuple[torch.Tensor, list[Any]]:
+    """The bundle's arrays in one flat uint8 tensor (in shared memory), and the skeleton of each value."""
     packer = _Packer()
     skeletons = [packer.walk(v) for v in values]
+    # Made in shared memory here: torch would otherwise copy it there when it is sent.
     flat = torch.empty(-(-packer.size // _ALIGN) * _ALIGN, dtype=torch.uint8)
+    if shared:
+        flat.share_memory_()
     for offset, tensor in packer.parts:
         if tensor.numel():
             target = flat[offset : offset + tensor.numel() * tensor.element_size()]
