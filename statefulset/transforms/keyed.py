@@ -2,9 +2,10 @@
 
 Energon's ``@stateless(restore_seeds=True)`` seeds the global RNGs from the worker's seed and a
 per-worker call counter, so a random transform replays only while ``world_size × num_workers``
-stays the same. Here the key is the sample's global position instead: a counter-based generator
-(numpy's Philox) keyed by ``(spec seed, encoder identity, method, sample_id)`` gives every sample
-its own stream of draws, whichever rank, worker or resume point computes it.
+stays the same. Here the counter is the sample's global position instead: a key of ``(spec seed,
+encoder identity, method)`` and the ``sample_id`` give every sample its own draws (the global RNGs
+seeded from a keyed hash of the two; an ``rng`` parameter gets a Philox generator keyed by both),
+whichever rank, worker or resume point computes it.
 
 :func:`stateless` marks a method; the loader (:mod:`statefulset.transforms.encoder`) then calls it
 inside :func:`keyed_globals`, which seeds ``random``, numpy's global RNG and torch's CPU RNG from
