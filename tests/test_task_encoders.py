@@ -369,3 +369,49 @@ def test_gloo_ranks_restore_the_encoded_stream_and_refuse_another_encoder(spec, 
             seen.update(part)
     assert sorted(seen) == list(range(12))
     assert all(seen[p] == expected[p][0] for p in seen)
+
+
+def test_builders_pass_the_encoder_through_or_refuse_a_batch_of_its_own(spec):
+    from statefulset import ParallelLayout, StatefulsetDataModule, build_megatron_iterators, build_nanotron_dataloader
+
+    layout = ParallelLayout(world_size=1)
+    with pytest.raises(StatefulsetError, match="build_megatron_iterators: task encoder Nested defines batch"):
+        build_megatron_iterators(spec, layout, 0, micro_batch_size=2, task_encoder=Nested())
+    with pytest.raises(StatefulsetError, match="build_nanotron_dataloader: task encoder Nested defines batch"):
+        build_nanotron_dataloader(spec, layout, 0, micro_batch_size=2, task_encoder=Nested())
+    dm = StatefulsetDataModule(spec, micro_batch_size=2, num_workers=1, task_encoder=GlobalDraws())
+    train = dm.train_dataloader()
+    got = [rows(b) for _, b in zip(range(3), train, strict=False)]
+    expected = reference(spec, GlobalDraws, 6)
+    assert {p: r for part in got for p, r in part.items()} == {p: expected[p] for p in range(6)}
+    assert dm.train_loader.save_state_rank()["identity"]["task_encoder"].endswith("GlobalDraws@1")
+
+
+def test_stages_validation_and_fill_in_the_middle_keep_working_with_an_encoder(spec):
+    from statefulset import get_loader
+    from statefulset.transforms import FillInTheMiddle
+
+    a, b = list(spec["data_path"])
+    staged = {"seq_length": 16, "split": "1", "packing": "native", "path_to_cache": spec["path_to_cache"],
+              "stages": [{"start": 0, "data_path": {a: 1.0}}, {"start": 10, "data_path": {b: 1.0}}]}  # fmt: skip
+    ds = get_train_dataset(staged, batch_size=4, task_encoder=TakesRng())
+    assert [ds[p].source for p in (0, 9, 10, 30)] == [a, a, b, b]
+    first = loader(staged, TakesRng(), 4, 1)
+    _ = [next(iter(first)) for _ in range(2)]  # positions 0..7
+    later = loader(staged, TakesRng(), 3, 2, 1, 2)  # DP rank 1 of 2, micro-batch 3, two workers
+    later.restore_state_global([first.save_state_rank()])
+    batch = next(iter(later))
+    assert batch["sample_id"].tolist() == [11, 12, 13]
+    for i, p in enumerate(batch["sample_id"].tolist()):
+        assert batch["text"][i].tolist() == ds[p].text.tolist() and batch["label"][i].item() == ds[p].label
+    val = get_val_dataset(spec, batch_size=2, task_encoder=TakesRng(),
+                          worker_config=WorkerConfig(rank=0, world_size=1, num_workers=1))  # fmt: skip
+    for got in zip(range(3), get_loader(val), strict=False):
+        for i, p in enumerate(got[1]["sample_id"].tolist()):
+            assert got[1]["text"][i].tolist() == val[p].text.tolist()
+    fim = FillInTheMiddle(rate=1.0, spm_rate=0.5, prefix_id=60001, middle_id=60002, suffix_id=60003, pad_id=60004)
+    ds = get_train_dataset(spec, batch_size=2, task_encoder=fim)
+    for _, got in zip(range(3), loader(spec, fim, 2, 2), strict=False):
+        for i, p in enumerate(got["sample_id"].tolist()):
+            assert got["text"][i].tolist() == ds[p].text.tolist()
+            assert {60001, 60002, 60003} & set(got["text"][i].tolist())  # rate 1: every sample is FIM'd

@@ -53,6 +53,19 @@ def hook(encoder: Any, name: str) -> Any:
     return getattr(encoder, name) if defined(encoder, name) else None
 
 
+def refuse_custom_batch(encoder: Any, where: str, why: str) -> None:
+    """For a caller that formats the collated batch itself (the Megatron and Nanotron builders): an
+    encoder's own ``batch`` / ``encode_batch`` would replace the fields it formats."""
+    if encoder is None:
+        return
+    for name in ("batch", "encode_batch"):
+        if defined(encoder, name):
+            raise StatefulsetError(
+                f"{where}: task encoder {type(encoder).__qualname__} defines {name}, but {why}; keep encode_sample "
+                "(its fields are collated and formatted), or build the loader with get_savable_loader directly"
+            )
+
+
 def refuse_hooks(encoder: Any, where: str) -> None:
     """Raise a StatefulsetError naming the first hook the loader cannot honour exactly."""
     who = f"{where}: task encoder {type(encoder).__qualname__}"

@@ -65,7 +65,7 @@ FORMAT = "statefulset.datamodule"
 VERSION = 1
 _LOADER_OPTIONS = {"prefetch_factor", "pin_memory", "persistent_workers", "multiprocessing_context", "timeout"}
 # Only the savable training loader runs collectives (see SavableLoader).
-_TRAIN_LOADER_OPTIONS = {"collective_timeout"}
+_TRAIN_LOADER_OPTIONS = {"collective_timeout", "allow_changed_task_encoder"}
 
 
 class StatefulsetDataModule(pl.LightningDataModule):
@@ -106,9 +106,11 @@ class StatefulsetDataModule(pl.LightningDataModule):
         dp_size: int | None = None,
         data_parallel_group: Any = None,
         seed_offset: int = 0,
+        task_encoder: Any = None,
         **loader_options: Any,
     ) -> None:
         super().__init__()
+        self.task_encoder = task_encoder  # run by every loader's workers (docs/transforms.md)
         self.spec = spec if isinstance(spec, DatasetSpec) else load_spec(spec)
         where = "StatefulsetDataModule"
         self.micro_batch_size = check_int("micro_batch_size", micro_batch_size, 1, where)
@@ -236,7 +238,8 @@ class StatefulsetDataModule(pl.LightningDataModule):
         return self._train_loader
 
     def _new_train_loader(self) -> SavableLoader:
-        dataset = get_train_dataset(self.spec, batch_size=self.micro_batch_size, worker_config=self._worker_config())
+        wc, encoder = self._worker_config(), self.task_encoder
+        dataset = get_train_dataset(self.spec, batch_size=self.micro_batch_size, worker_config=wc, task_encoder=encoder)
         return get_savable_loader(dataset, **self.loader_options)
 
     def _continue_train_loader(self, old: SavableLoader) -> SavableLoader:
@@ -279,6 +282,7 @@ class StatefulsetDataModule(pl.LightningDataModule):
             batch_size=self.micro_batch_size,
             worker_config=self._worker_config(),
             limit=self.limit_val_batches,
+            task_encoder=self.task_encoder,
         )
         options = {k: v for k, v in self.loader_options.items() if k in _LOADER_OPTIONS}
         self._eval_loaders[split] = get_loader(dataset, **options)

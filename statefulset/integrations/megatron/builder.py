@@ -36,6 +36,7 @@ from statefulset.parallel.groups import create_parallel_groups, raise_on_every_r
 from statefulset.parallel.layout import ParallelLayout, RankInfo
 from statefulset.parallel.transfer import LINK_TAG, StageLink, TensorSpec, broadcast_batch
 from statefulset.spec.model import DatasetSpec, load_spec
+from statefulset.transforms.hooks import refuse_custom_batch
 
 
 # -- builder ------------------------------------------------------------------------------------
@@ -227,6 +228,7 @@ def build_megatron_iterators(
     test: bool = True,
     groups: Mapping[str, Any] | None = None,
     link_depth: int | None = None,
+    task_encoder: Any = None,
     **loader_options: Any,
 ) -> MegatronData:
     """Build this rank's Megatron iterators; call it on **every** rank, with the same arguments.
@@ -250,7 +252,10 @@ def build_megatron_iterators(
     (the stage link) and ``"dp"`` (the loader's DP group); missing ones are created here with the
     gloo backend (batches travel as CPU tensors), which is why every rank must call this.
     Errors on any rank are raised on every rank. ``loader_options`` go to ``get_savable_loader``.
+    ``task_encoder``: run over every split's samples (docs/transforms.md); its ``encode_sample``
+    fields are collated and formatted as usual, so an encoder defining ``batch`` is refused.
     """
+    refuse_custom_batch(task_encoder, "build_megatron_iterators", "the builder formats Megatron-LM's batches itself")
     if not isinstance(layout, ParallelLayout):
         raise StatefulsetError(
             f"build_megatron_iterators: layout must be a ParallelLayout, got {type(layout).__name__}"
@@ -342,14 +347,17 @@ def build_megatron_iterators(
             )
             if split == "train":
                 loader: Any = get_savable_loader(
-                    get_train_dataset(spec, batch_size=b, worker_config=wc, document_boundaries=documents),
+                    get_train_dataset(
+                        spec, batch_size=b, worker_config=wc, document_boundaries=documents, task_encoder=task_encoder
+                    ),
                     **loader_options,
                 )
                 _restore_train(loader, _unwrap_state(state), consumed_train_samples, info, b)
             else:
                 dataset = get_val_dataset(
-                    spec, split_part=split, batch_size=b, worker_config=wc, document_boundaries=documents
-                )
+                    spec, split_part=split, batch_size=b, worker_config=wc, document_boundaries=documents,
+                    task_encoder=task_encoder,
+                )  # fmt: skip
                 if len(dataset) == 0:
                     raise StatefulsetError(
                         f"{spec.source}: the {split} split has {len(dataset.stream)} samples, fewer than one "

@@ -62,6 +62,7 @@ from statefulset.parallel.groups import create_parallel_groups, raise_on_every_r
 from statefulset.parallel.layout import ParallelLayout, RankInfo
 from statefulset.parallel.transfer import StageLink, TensorSpec
 from statefulset.spec.model import DatasetSpec, load_spec
+from statefulset.transforms.hooks import refuse_custom_batch
 
 __all__ = ["NanotronDataLoader", "build_nanotron_dataloader"]
 
@@ -282,6 +283,7 @@ def build_nanotron_dataloader(
     include_sample_id: bool = False,
     seed_offset: int = 0,
     position_ids: bool = False,
+    task_encoder: Any = None,
     **loader_options: Any,
 ) -> NanotronDataLoader:
     """Nanotron's train dataloader for ``spec`` on global ``rank``: call it on every rank with the same arguments.
@@ -311,8 +313,11 @@ def build_nanotron_dataloader(
     micro-batch of Nanotron's ``DataCollatorForCLMWithPositionIds`` (``input_ids``,
     ``position_ids`` restarting at every document of the shard index, ``label_ids``,
     ``label_mask``). With packing bestfit, ``label_mask`` is False on padded labels.
+    ``task_encoder`` runs over the samples (docs/transforms.md); its ``encode_sample`` fields are
+    collated and formatted as usual, so an encoder defining ``batch`` is refused.
     """
     where = "build_nanotron_dataloader"
+    refuse_custom_batch(task_encoder, where, "the dataloader formats Nanotron's batches itself")
     unknown = sorted(set(loader_options) - _LOADER_OPTIONS)
     if unknown:
         raise StatefulsetError(f"{where}: unknown keyword argument(s): {', '.join(unknown)}")
@@ -401,8 +406,9 @@ def build_nanotron_dataloader(
                 seed_offset=seed_offset,
             )
             dataset = get_train_dataset(
-                parsed, batch_size=micro_batch_size, worker_config=wc, document_boundaries=bool(position_ids)
-            )
+                parsed, batch_size=micro_batch_size, worker_config=wc, document_boundaries=bool(position_ids),
+                task_encoder=task_encoder,
+            )  # fmt: skip
             loader = get_savable_loader(dataset, **loader_options)
             if consumed:
                 loader.restore_consumed_samples(consumed)
