@@ -415,3 +415,16 @@ def test_stages_validation_and_fill_in_the_middle_keep_working_with_an_encoder(s
         for i, p in enumerate(got["sample_id"].tolist()):
             assert got["text"][i].tolist() == ds[p].text.tolist()
             assert {60001, 60002, 60003} & set(got["text"][i].tolist())  # rate 1: every sample is FIM'd
+
+
+def test_an_encoder_that_fails_names_itself_the_sample_and_the_worker(spec):
+    class Fails:
+        def encode_sample(self, sample):
+            if sample.sample_id == 3:
+                raise ValueError("no good")
+            return sample
+
+    said = r"DataLoader worker \d, building micro-batch 1: .*Fails: encode_sample failed on sample 3: ValueError: no"
+    with pytest.raises(StatefulsetError, match=said):
+        for _ in zip(range(4), loader(spec, Fails(), 2, 2), strict=False):
+            pass
