@@ -428,3 +428,19 @@ def test_an_encoder_that_fails_names_itself_the_sample_and_the_worker(spec):
     with pytest.raises(StatefulsetError, match=said):
         for _ in zip(range(4), loader(spec, Fails(), 2, 2), strict=False):
             pass
+
+
+def test_megatron_and_nanotron_batches_are_made_of_the_encoded_samples(spec):
+    from statefulset import ParallelLayout, build_megatron_iterators, build_nanotron_dataloader
+
+    ds = get_train_dataset(spec, batch_size=4, task_encoder=TakesRng())
+    data = build_megatron_iterators(spec, ParallelLayout(1), rank=0, micro_batch_size=4, num_workers=1,
+                                    consumed_train_samples=8, valid=False, test=False,
+                                    task_encoder=TakesRng())  # fmt: skip
+    for t in range(2):
+        batch = data.get_batch()
+        assert batch.tokens.tolist() == [ds[p].text[:-1].tolist() for p in range(8 + 4 * t, 12 + 4 * t)]
+        assert batch.labels.tolist() == [ds[p].text[1:].tolist() for p in range(8 + 4 * t, 12 + 4 * t)]
+    loader = build_nanotron_dataloader(spec, ParallelLayout(1), micro_batch_size=4, consumed_train_samples=4,
+                                       task_encoder=TakesRng())  # fmt: skip
+    assert next(loader)["input_ids"].tolist() == [ds[p].text[:-1].tolist() for p in range(4, 8)]
