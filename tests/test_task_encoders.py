@@ -444,3 +444,18 @@ def test_megatron_and_nanotron_batches_are_made_of_the_encoded_samples(spec):
     loader = build_nanotron_dataloader(spec, ParallelLayout(1), micro_batch_size=4, consumed_train_samples=4,
                                        task_encoder=TakesRng())  # fmt: skip
     assert next(loader)["input_ids"].tolist() == [ds[p].text[:-1].tolist() for p in range(4, 8)]
+
+
+def test_megatron_builder_refuses_a_state_of_another_encoder_also_in_another_layout(spec):
+    from statefulset import ParallelLayout, build_megatron_iterators
+
+    saved = loader(spec, GlobalDraws(), batch_size=4)
+    next(iter(saved))
+    state = saved.save_state_rank()
+    kw = {"rank": 0, "num_workers": 0, "valid": False, "test": False, "state": state}
+    for micro_batch_size in (4, 2):  # the same layout (restore_state_rank), another (its position only)
+        with pytest.raises(StatefulsetError, match=r"GlobalDraws@1, this loader runs task encoder .*GlobalDrawsV2@2"):
+            build_megatron_iterators(spec, ParallelLayout(1), micro_batch_size=micro_batch_size,
+                                     task_encoder=GlobalDrawsV2(), **kw)  # fmt: skip
+    data = build_megatron_iterators(spec, ParallelLayout(1), micro_batch_size=2, task_encoder=GlobalDraws(), **kw)
+    assert data.get_batch().tokens.tolist() == [r[0][:-1] for r in map(reference(spec, GlobalDraws, 6).get, (4, 5))]

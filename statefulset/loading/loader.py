@@ -148,7 +148,9 @@ class SavableLoader:
     def _encoder(self) -> str | None:
         return None if self.dataset.encoder is None else self.dataset.encoder.identity
 
-    def _check_encoder(self, states: Any, where: str) -> None:
+    def check_task_encoder(self, states: Any, where: str) -> None:
+        """Refuse a state (or list of states) saved with another task encoder, naming both; with
+        ``allow_changed_task_encoder=True`` log it at WARNING instead (docs/transforms.md)."""
         check_encoder(states, self._encoder(), self.allow_changed_task_encoder, where)
 
     def _restore(self, cursor: Cursor) -> None:
@@ -173,7 +175,7 @@ class SavableLoader:
                 wc.rank,
             )
             return
-        self._check_encoder(state, f"state for DP rank {wc.rank}")
+        self.check_task_encoder(state, f"state for DP rank {wc.rank}")
         self._restore(
             fit_rank_state(
                 state,
@@ -264,7 +266,7 @@ class SavableLoader:
                 return
         if state is None:
             raise StatefulsetError(f"restore_state_global: DP rank {wc.rank} received no state")
-        self._check_encoder(state, "global state")
+        self.check_task_encoder(state, "global state")
         stream = self.dataset.stream
         self._restore(
             fit_global_state(
@@ -293,7 +295,7 @@ class SavableLoader:
         items, error = None, None
         if wc.rank == src_rank:
             try:
-                self._check_encoder(states, "global state")
+                self.check_task_encoder(states, "global state")
                 cursors = fit_global_states(
                     states, stream.identity, wc.world_size, self.dataset.batch_size,
                     stream.source_prefixes, stream.legacy_data,

@@ -193,6 +193,7 @@ def _restore_train(
     check_state(state, f"{where}: loader state")
     stream = loader.dataset.stream
     check_identity(state, stream.identity, f"{where}: loader state", stream.source_prefixes, stream.legacy_data)
+    loader.check_task_encoder(state, f"{where}: loader state")  # also when only its position is used below
     cursor = cursor_of(state)
     if consumed is not None and cursor.consumed != consumed:
         raise StatefulsetError(
