@@ -106,8 +106,9 @@ class TaskEncoderRunner:
         except StatefulsetError:
             raise
         except Exception as exc:
+            what = f"sample {sample_id}" if method.name == "encode_sample" else f"the micro-batch from {sample_id}"
             raise StatefulsetError(
-                f"task encoder {self.identity}: {method.name} failed on sample {sample_id}: {type(exc).__name__}: {exc}"
+                f"task encoder {self.identity}: {method.name} failed on {what}: {type(exc).__name__}: {exc}"
             ) from exc
 
     def _check_globals(self, name: str, before: tuple[Any, Any, Any]) -> None:
