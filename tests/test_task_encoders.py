@@ -459,3 +459,28 @@ def test_megatron_builder_refuses_a_state_of_another_encoder_also_in_another_lay
                                      task_encoder=GlobalDrawsV2(), **kw)  # fmt: skip
     data = build_megatron_iterators(spec, ParallelLayout(1), micro_batch_size=2, task_encoder=GlobalDraws(), **kw)
     assert data.get_batch().tokens.tolist() == [r[0][:-1] for r in map(reference(spec, GlobalDraws, 6).get, (4, 5))]
+
+
+class ShiftsTokens:
+    """Keeps the dataset's layout (the ring carries it) unless the shift leaves the corpus's dtype."""
+
+    def __init__(self, shift):
+        self.shift = shift
+
+    def encode_sample(self, sample, rng):
+        sample.text = sample.text + self.shift + rng.integers(0, 3)
+        return sample
+
+
+@pytest.mark.parametrize("shift", [0, 70_000, -70_000, 2**40])
+def test_encoded_batches_in_and_out_of_the_rings_layout_are_exact(spec, shift):
+    ds = get_train_dataset(spec, batch_size=3, task_encoder=ShiftsTokens(shift), document_boundaries=True)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+    ld = get_savable_loader(get_train_dataset(spec, batch_size=3, worker_config=wc, document_boundaries=True,
+                                              task_encoder=ShiftsTokens(shift)))  # fmt: skip
+    for t, batch in zip(range(20), ld, strict=False):
+        assert list(batch) == ["text", "cu_seqlens", "max_seqlen", "position_ids", "sample_id"]
+        assert batch["text"].dtype == torch.int64 and batch["sample_id"].tolist() == [3 * t, 3 * t + 1, 3 * t + 2]
+        for i, p in enumerate(batch["sample_id"].tolist()):
+            assert batch["text"][i].tolist() == ds[p].text.tolist()
+            assert batch["position_ids"][i].tolist() == ds[p].position_ids.tolist()

@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from statefulset.errors import StatefulsetError
-from statefulset.loading.encoded import received, serve_encoded
+from statefulset.loading.encoded import pack, received
 from statefulset.loading.read_ahead import read_ahead, read_ahead_depth
 from statefulset.loading.state import Cursor
 from statefulset.streams.base import SampleStream
@@ -210,6 +210,59 @@ class BatchSource(IterableDataset):
         sources = source_prefixes(self.stream, self.positions(t))
         return self.encoder.micro_batch(fields, self.cursor.positions(t), sources)
 
+    def _serve_encoded(self, ring: BatchRing, worker: int, workers: int) -> Iterator[tuple[Any, ...]]:
+        """A worker's encoded micro-batches, a bundle at a time: through the ring when they keep its
+        layout, else packed (statefulset.loading.encoded); errors as the ring's."""
+        t = None
+        try:
+            self.stream.check_unchanged()  # a worker (re)started: the .bin files are still the ones opened
+            pending: list[Any] = []
+            bundles = 0
+            for t, rows in self.batches(numpy.int64, worker, workers, ring.bundle):
+                if pending and t != pending[0][0] + len(pending):  # the next bundle began: send this one
+                    yield self._send_encoded(ring, worker, bundles, pending)
+                    pending, bundles = [], bundles + 1
+                pending.append((t, self.encoded(t, rows)))
+                if len(pending) == ring.bundle:
+                    yield self._send_encoded(ring, worker, bundles, pending)
+                    pending, bundles = [], bundles + 1
+            if pending:
+                yield self._send_encoded(ring, worker, bundles, pending)
+        except Exception as exc:  # reported by the trainer, naming this worker and batch
+            yield "error", worker, t, f"{type(exc).__name__}: {exc}"
+
+    def _send_encoded(self, ring: BatchRing, worker: int, bundles: int, pending: list[Any]) -> tuple[Any, ...]:
+        first, batches = pending[0][0], [batch for _, batch in pending]
+        if not all(self._in_ring_layout(ring, t, batch) for t, batch in pending):
+            return ("encoded", worker, first, len(batches), *pack(batches))
+        slot = bundles % ring.slots
+        ring.begin(worker, slot, first)
+        view = ring.view(worker, slot)
+        for i, batch in enumerate(batches):
+            for name, array in view.items():
+                array[i][...] = batch[name].numpy()  # text narrowed: its values were checked to fit
+        return _sent(ring, worker, slot, first, len(batches))
+
+    def _in_ring_layout(self, ring: BatchRing, t: int, batch: Any) -> bool:
+        """Whether batch ``t`` is exactly what the ring delivers: its fields (then ``sample_id``, the
+        positions) as tensors of their shapes and dtypes (``text`` int64), the tokens within the ring's dtype."""
+        if type(batch) is not dict or list(batch) != [f.name for f in ring.fields] + ["sample_id"]:
+            return False
+        for field in ring.fields:
+            value = batch[field.name]
+            dtype = torch.int64 if field.name == "text" else _TORCH_DTYPES[field.dtype]
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+                return False
+            if tuple(value.shape) != (ring.batch_size, *field.shape):
+                return False
+        ids, text = batch["sample_id"], batch["text"]
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+            return False
+        if not numpy.array_equal(ids.numpy(), self.cursor.positions(t)):
+            return False
+        limits = numpy.iinfo(ring.dtype)
+        return not text.numel() or (int(text.min()) >= limits.min and int(text.max()) <= limits.max)
+
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         if info is None:  # num_workers=0: the trainer process builds int64 rows itself
@@ -225,7 +278,7 @@ class BatchSource(IterableDataset):
             raise StatefulsetError("internal: a worker started without its batch ring")
         ring.started[info.id] = 1
         if self.encoder is not None:
-            yield from serve_encoded(self, info.id, info.num_workers, ring.bundle)
+            yield from self._serve_encoded(ring, info.id, info.num_workers)
             return
         t = None
         try:

@@ -37,9 +37,9 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
     workers = dataset.worker_config.num_workers
     ring = None
     if workers:
-        # With a task encoder, batches travel as statefulset.loading.encoded describes: the ring
-        # then holds only the workers' start flags (no slots), and its bundle size.
-        slots = 0 if dataset.encoder is not None else options["prefetch_factor"] + 1  # see loading.batches
+        # With a task encoder too: encoded batches that keep the dataset's layout use the slots
+        # (statefulset.loading.encoded).
+        slots = options["prefetch_factor"] + 1  # see statefulset.loading.batches
         fields = dataset.fields()
         ring = BatchRing(workers, slots, dataset.batch_size, fields, bundle_size(dataset.batch_size, fields))
     source = BatchSource(

@@ -1,21 +1,23 @@
 """How encoded micro-batches travel from a worker to the trainer: any structure, arrays in one shared block.
 
 An encoder's batch is any nesting of dicts, lists, tuples, dataclasses, tensors, numpy arrays,
-numbers and strings, so the fixed-layout ring of :mod:`statefulset.loading.batches` cannot hold
-it. A worker encodes a bundle of consecutive micro-batches (as many as the ring would bundle),
-copies every array and tensor of the bundle into one flat uint8 tensor, and sends that tensor
-with the bundle's *skeleton* (the structure, each array replaced by a :class:`Slot` naming its
-offset, dtype, shape and kind) through the DataLoader's own queue. torch moves the flat tensor
-through shared memory (one segment per bundle: the cost the ring avoids is per segment, so
-bundling keeps it small); the trainer rebuilds the structure with views into it, numpy arrays
-as numpy arrays and tensors as tensors. Arrays of a dtype torch has no tensor for (strings,
-objects) travel pickled inside the skeleton. Values are copied bit for bit: exactness holds.
+numbers and strings. The fixed-layout ring of :mod:`statefulset.loading.batches` holds it only
+when it keeps the dataset's layout (the collated fields, of their shapes and dtypes, the tokens
+within the ring's dtype, ``sample_id`` the positions: an encoder that changes tokens in place, as
+fill-in-the-middle does); the worker then writes it into its slot (``BatchSource._send_encoded``).
+Otherwise the worker copies every array and tensor of a bundle of micro-batches (as many as the
+ring would bundle) into one flat uint8 tensor, made in shared memory, and sends it with the
+bundle's *skeleton* (the structure, each array replaced by a :class:`Slot` naming its offset,
+dtype, shape and kind) through the DataLoader's own queue: one shared-memory segment per bundle
+(the cost the ring avoids is per segment, so bundling keeps it small). The trainer rebuilds the
+structure with views into it, numpy arrays as numpy arrays and tensors as tensors. Arrays of a
+dtype torch has no tensor for (strings, objects) travel pickled inside the skeleton. Values are
+copied bit for bit: exactness holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy
@@ -124,33 +126,6 @@ def pin(value: Any) -> Any:
         items = [pin(v) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
-
-
-def serve_encoded(source: Any, worker: int, workers: int, bundle: int) -> Iterator[tuple[Any, ...]]:
-    """A worker's encoded micro-batches as ``("encoded", worker, first, count, flat, skeletons)``.
-
-    ``source`` is the :class:`~statefulset.loading.batches.BatchSource`; an error is handed over as
-    ``("error", worker, t, message)``, like the ring's.
-    """
-    t = None
-    try:
-        source.stream.check_unchanged()  # a worker (re)started: the .bin files are still the ones opened
-        pending: list[Any] = []
-        first = None
-        for t, rows in source.batches(numpy.int64, worker, workers, bundle):
-            if first is not None and t != first + len(pending):  # the next bundle began: send this one
-                yield ("encoded", worker, first, len(pending), *pack(pending))
-                pending, first = [], None
-            if first is None:
-                first = t
-            pending.append(source.encoded(t, rows))
-            if len(pending) == bundle:
-                yield ("encoded", worker, first, len(pending), *pack(pending))
-                pending, first = [], None
-        if pending:
-            yield ("encoded", worker, first, len(pending), *pack(pending))
-    except Exception as exc:  # reported by the trainer, naming this worker and batch
-        yield "error", worker, t, f"{type(exc).__name__}: {exc}"
 
 
 def received(item: tuple[Any, ...]) -> tuple[int, list[Any]]:
