@@ -457,3 +457,30 @@ def test_any_text_through_the_byte_tokenizer(text, seed, eods, spm_rate):
     if padded > 0:
         assert got[-padded:] == [303] * padded and out.loss_mask[-padded:].tolist() == [0.0] * padded
         assert sorted(pieces) == sorted(text.encode())  # nothing cut: every byte is there
+
+
+def test_a_state_is_refused_by_a_fim_with_other_parameters(tmp_path):
+    """The encoder identity a state records is ``module.Class@version``: with a constant version, a
+    state saved under FillInTheMiddle(rate=0.9) restored silently into rate=0.1 (other samples FIM'd
+    from then on, no error). Saw this test fail before the version covered the parameters."""
+    from statefulset import WorkerConfig, get_savable_loader
+
+    rng = numpy.random.default_rng(3)
+    with IndexedDatasetWriter(tmp_path / "c") as w:
+        for _ in range(50):
+            w.add_document(rng.integers(10, 500, int(rng.integers(5, 60))))
+    spec = {"data_path": str(tmp_path / "c"), "seq_length": 32, "packing": "native", "path_to_cache": str(tmp_path)}
+
+    def fim(rate, **kw):
+        encoder = FillInTheMiddle(rate, 0.5, prefix_id=1, middle_id=2, suffix_id=3, pad_id=0, **kw)
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+        return get_savable_loader(get_train_dataset(spec, batch_size=2, worker_config=wc, task_encoder=encoder))
+
+    first = fim(0.9)
+    next(iter(first))
+    state = first.save_state_rank()
+    fim(0.9).restore_state_rank(state)  # the same parameters restore
+    for other in (fim(0.1), fim(0.9, eod_id=0), fim(0.9, fragment_rate=0.5)):
+        with pytest.raises(StatefulsetError, match=r"FillInTheMiddle@1-[0-9a-f]+.*FillInTheMiddle@1-[0-9a-f]+"):
+            other.restore_state_rank(state)
+    assert FillInTheMiddle(0.9, 0.5, 1, 2, 3, 0).version == FillInTheMiddle(0.9, 0.5, 1, 2, 3, 0).version

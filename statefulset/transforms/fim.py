@@ -27,12 +27,14 @@ How the document fields and ``loss_mask`` follow the permuted pieces: docs/trans
 from __future__ import annotations
 
 import copy
+import hashlib
 import itertools
 from typing import Any
 
 import numpy
 
 from statefulset.errors import StatefulsetError
+from statefulset.shards.tokenizers import TokenizerSpec
 from statefulset.streams.documents import Pieces, document_fields
 from statefulset.transforms.fim_text import TextCodec, text_codec
 from statefulset.transforms.sample import TokenSample
@@ -56,7 +58,8 @@ class FillInTheMiddle:
     ``rate=0`` returns every sample as it is.
     """
 
-    version = 1
+    # Raise when the transform's output changes for the same parameters; ``version`` adds them.
+    VERSION = 1
 
     def __init__(
         self,
@@ -101,6 +104,22 @@ class FillInTheMiddle:
         if self.tokenizer is not None:
             args.append(f"tokenizer={type(self.tokenizer).__qualname__}")
         return f"FillInTheMiddle({', '.join(args)})"
+
+    @property
+    def version(self) -> str:
+        """``1-<digest of the parameters and tokenizer>``: part of the encoder identity a state records,
+        so a restore under other FIM parameters is refused instead of FIM'ing other samples silently."""
+        ids = (self.prefix_id, self.middle_id, self.suffix_id, self.pad_id, self.split_sample, self.eod_id)
+        params = (
+            self.rate,
+            self.spm_rate,
+            self.fragment_rate,
+            ids,
+            self.no_prefix,
+            _tokenizer_identity(self.tokenizer),
+        )
+        digest = hashlib.blake2b(repr(params).encode(), digest_size=6).hexdigest()
+        return f"{self.VERSION}-{digest}"
 
     @property
     def codec(self) -> TextCodec | None:
@@ -331,6 +350,20 @@ def _part(mask: numpy.ndarray | None, a: int, b: int) -> numpy.ndarray | None:
 
 def _starts_with(tokens: numpy.ndarray, prefix: tuple[int, ...]) -> bool:
     return tokens.size >= len(prefix) and bool((tokens[: len(prefix)] == numpy.asarray(prefix)).all())
+
+
+def _tokenizer_identity(tokenizer: Any) -> str | None:
+    """What FIM's character cuts depend on: a TokenizerSpec's fingerprint (its file's digest), a
+    ``tokenizers.Tokenizer``'s serialised form, else the tokenizer's class."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, TokenizerSpec):
+        return tokenizer.fingerprint()
+    to_str = getattr(tokenizer, "to_str", None)
+    if callable(to_str):
+        return hashlib.sha256(str(to_str()).encode()).hexdigest()
+    cls = type(tokenizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _probability(name: str, value: Any) -> float:
