@@ -48,6 +48,7 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_worker_pool.py": ["--quick"],
     "bench_watchdog_thread.py": ["--quick"],
     "bench_task_encoder.py": ["--quick"],
+    "bench_fim.py": ["--quick"],
     "bench_concurrent_open.py": [
         "--docs",
         "200000",
