@@ -138,7 +138,7 @@ def test_several_inputs_and_globs_keep_order(tmp_path):
 BAD = [
     (b'{"text": "ok"}\n{"text": oops}\n', 2, "invalid JSON"),
     (b'{"text": "ok"}\n{"other": "x"}\n', 2, "missing key 'text'"),
-    (b'{"text": 5}\n', 1, "key 'text' must be a string or a list of strings, got int"),
+    (b'{"text": 5}\n', 1, "key 'text' must be a string or a list of strings or of segments, got int"),
     (b"[1, 2]\n", 1, "expected a JSON object, got list"),
     (b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', 2, "invalid JSON"),
 ]

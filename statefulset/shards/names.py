@@ -20,6 +20,7 @@ from statefulset.errors import StatefulsetError
 # underscores is known by its last part.
 _KEYED = re.compile(r"_(?P<suffix>[^_]+_(?:document|sentence))$")
 OTHER_NAMES = "(names without _<key>_document)"
+MASK_SUFFIX = "_loss_mask"  # statefulset.shards.loss_masks: a shard's loss mask, named after it
 
 
 def natural_key(text: str) -> list[Any]:
@@ -33,6 +34,9 @@ def find_prefixes(location: str) -> list[str]:
     if not pattern.endswith(".idx"):
         pattern += ".idx"
     prefixes = [p[: -len(".idx")] for p in glob.glob(pattern) if os.path.exists(p[: -len(".idx")] + ".bin")]
+    # A loss-mask shard travels with its token shard (statefulset.shards.loss_masks), never as one of its own.
+    present = set(prefixes)
+    prefixes = [p for p in prefixes if not (p.endswith(MASK_SUFFIX) and p[: -len(MASK_SUFFIX)] in present)]
     return sorted(prefixes, key=natural_key)
 
 

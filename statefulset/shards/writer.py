@@ -286,6 +286,34 @@ class IndexedDatasetWriter:
         self.sequence_count += lens.size
         self.document_count += per_doc.size
 
+    def add_shaped_like(self, other: IndexedDatasetWriter, value: int) -> None:
+        """Documents shaped as everything ``other`` holds so far (its sequences and documents), every
+        token ``value``: a loss-mask shard begun when its token shard is already part-written. Streams
+        ``other``'s spilled index in blocks: memory stays flat."""
+        self._check_open()
+        other._spill()
+        self._spill()
+        tokens = 0
+        for source, target, shift in (
+            (other._lengths_spill, self._lengths_spill, None),
+            (other._documents_spill, self._documents_spill, self.sequence_count),
+        ):
+            source.flush()
+            offset = 0
+            while block := os.pread(source.fileno(), _COPY_BYTES, offset):
+                offset += len(block)
+                if shift is None:
+                    tokens += int(numpy.frombuffer(block, idx_format.LENGTH_DTYPE).sum(dtype=numpy.int64))
+                    target.write(block)
+                else:
+                    ends = numpy.frombuffer(block, idx_format.DOCUMENT_DTYPE) + shift
+                    target.write(ends.astype(idx_format.DOCUMENT_DTYPE).tobytes())
+        fill = numpy.full(max(min(tokens, _COPY_BYTES), 1), value, dtype=self.dtype)
+        for start in range(0, tokens, fill.size):
+            self._bin.write(fill[: min(fill.size, tokens - start)])
+        self.sequence_count += other.sequence_count
+        self.document_count += other.document_count
+
     def add_index(self, path_prefix: str | os.PathLike[str], storage_options: dict | None = None) -> None:
         """Append a whole shard (Megatron's ``add_index``), streaming: memory stays flat."""
         self._check_open()

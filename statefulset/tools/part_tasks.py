@@ -157,6 +157,11 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
         for chunk in _units(task, chunk_bytes):
             encoded = local._encode(chunk)
             for key, arrays in encoded.keys.items():
+                if arrays.loss_mask is not None:
+                    raise StatefulsetError(
+                        f"{local._describe_chunk(chunk)}: key {key!r} holds segment lists, whose loss-mask shard "
+                        "--executor ray does not write yet; use --executor local (--workers N)"
+                    )
                 writers[key].add_documents(
                     arrays.tokens, arrays.sequence_lengths, sequences_per_document=arrays.sequences_per_document
                 )

@@ -8,7 +8,9 @@ read as a JSON line's keys are, so the same texts give the same bytes either way
 
 Document semantics follow preprocess_data.py: a string value is one sequence, a list of
 strings is one sequence per element; empty sequences are dropped; ``append_eod`` adds the
-end-of-document token to each non-empty document (extending its last sequence).
+end-of-document token to each non-empty document (extending its last sequence). A list of
+segments ``[{"text": ..., "loss": bool}, ...]`` is one sequence, and adds a loss-mask shard beside
+the key's shard (:mod:`statefulset.tools.segments`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from statefulset.errors import StatefulsetError
 from statefulset.shards import idx_format
 from statefulset.shards.tokenizers import TokenizerSpec
 from statefulset.shards.writer import IndexedDatasetWriter
-from statefulset.tools import fault_gate, locations
+from statefulset.tools import fault_gate, locations, segments
+from statefulset.tools.key_arrays import KeyArrays, KeyTexts
 from statefulset.tools.progress import Progress
 from statefulset.tools.worker_pool import WorkerDied, ordered_map
 
@@ -47,16 +50,9 @@ class _Chunk:
 
 
 @dataclass
-class _KeyArrays:
-    tokens: numpy.ndarray
-    sequence_lengths: numpy.ndarray
-    sequences_per_document: numpy.ndarray
-
-
-@dataclass
 class _Encoded:
     documents: int
-    keys: dict[str, _KeyArrays]
+    keys: dict[str, KeyArrays]
     bad: list[tuple[int, str]]  # (line within the chunk, 0-based; reason)
     lines: int
     blank: int
@@ -79,6 +75,7 @@ class PreprocessResult:
     eod_text: str | None = None  # its string in the vocabulary (None for the byte tokenizer's 256)
     skipped_tasks: int = 0  # --executor ray: committed parts of an earlier run that were kept
     peak_task_rss: int = 0  # --executor ray: the largest peak resident memory of a task's process, bytes
+    loss_masks: dict[str, str] = field(default_factory=dict)  # key -> its mask shard's prefix, where one was written
     ray_nodes: int = 0  # --executor ray: the Ray nodes whose tasks committed parts in this run
     store_copied: int = 0  # --executor ray to S3: bytes of the merged .bin the store copied from the parts
     store_uploaded: int = 0  # ... and bytes that came through this machine (parts under 5 MiB, tails)
@@ -91,6 +88,7 @@ class PreprocessResult:
             f"({self.documents / s:,.0f} docs/s, {total / s:,.0f} tokens/s)"
         ]
         lines += [f"  {key}: {prefix}.{{bin,idx}}" for key, prefix in self.outputs.items()]
+        lines += [f"  {key} loss mask: {prefix}.{{bin,idx}}" for key, prefix in self.loss_masks.items()]
         if self.eod is None:
             lines.append("  appended no end-of-document token (--append-eod adds one)")
         else:
@@ -265,52 +263,23 @@ def _lines(chunk: _Chunk) -> list[bytes]:
     return lines
 
 
-def _narrow(tokens: numpy.ndarray, dtype: numpy.dtype) -> numpy.ndarray:
-    """Send tokens back in the shard's dtype (a quarter of int64's bytes for uint16) when they
-    fit; ones that do not fit stay wide so that the writer reports them."""
-    if dtype.kind in "iu" and tokens.size:
-        info = numpy.iinfo(dtype)
-        if tokens.min() < info.min or tokens.max() > info.max:
-            return tokens
-    return tokens.astype(dtype)
-
-
-def _texts_of(obj: object, keys: tuple[str, ...]) -> dict[str, list[str]] | str:
+def _texts_of(obj: object, keys: tuple[str, ...]) -> dict[str, segments.Value] | str:
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
     out = {}
     for key in keys:
         if key not in obj:
             return f"missing key {key!r}"
-        value = obj[key]
+        value = segments.parse_value(obj[key], key)
         if isinstance(value, str):
-            out[key] = [value]
-        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-            out[key] = value
-        else:
-            kind = "null" if value is None else type(value).__name__
-            return f"key {key!r} must be a string or a list of strings, got {kind}"
+            return value
+        out[key] = value
     return out
-
-
-def _assemble(tokens, lengths, owner, documents, eod) -> _KeyArrays:
-    """Drop empty sequences and append the end-of-document token, all vectorised."""
-    keep = lengths > 0
-    seq_lengths, seq_owner = lengths[keep], owner[keep]
-    per_doc = numpy.bincount(seq_owner, minlength=documents).astype(numpy.int64)
-    if eod is not None and seq_lengths.size:
-        last = numpy.flatnonzero(numpy.r_[seq_owner[1:] != seq_owner[:-1], True])
-        doc_ends = numpy.cumsum(seq_lengths)[last]
-        tokens = numpy.insert(tokens, doc_ends, eod)
-        seq_lengths = seq_lengths.copy()
-        seq_lengths[last] += 1
-    return _KeyArrays(tokens, seq_lengths, per_doc)
 
 
 def _encode(chunk: _Chunk) -> _Encoded:
     tokenizer, keys = _WORKER["tokenizer"], _WORKER["keys"]
-    texts: dict[str, list[str]] = {k: [] for k in keys}
-    owners: dict[str, list[int]] = {k: [] for k in keys}
+    texts = {k: KeyTexts() for k in keys}
     bad: list[tuple[int, str]] = []
     blank = documents = 0
     lines: list = _rows(chunk, keys) if chunk.parquet else _lines(chunk)
@@ -328,18 +297,11 @@ def _encode(chunk: _Chunk) -> _Encoded:
         if isinstance(parsed, str):
             bad.append((number, parsed))
             continue
-        for key, values in parsed.items():
-            texts[key] += values
-            owners[key] += [documents] * len(values)
+        for key, value in parsed.items():
+            texts[key].add(value, documents)
         documents += 1
     eod = tokenizer.eod if _WORKER["append_eod"] else None
-    arrays = {}
-    for key in keys:
-        tokens, lengths = tokenizer.encode_batch(texts[key])
-        owner = numpy.asarray(owners[key], dtype=numpy.int64)
-        assembled = _assemble(tokens, lengths, owner, documents, eod)
-        assembled.tokens = _narrow(assembled.tokens, _WORKER["dtype"])
-        arrays[key] = assembled
+    arrays = {key: texts[key].encode(tokenizer, documents, eod, _WORKER["dtype"]) for key in keys}
     return _Encoded(documents, arrays, bad, len(lines), blank, chunk.nbytes)
 
 
@@ -448,6 +410,7 @@ def preprocess(
     )
     staged = {k: locations.StagedOutput(p) for k, p in result.outputs.items()}
     writers = {k: IndexedDatasetWriter(staged[k].local, out_dtype) for k in keys}
+    masks = segments.MaskOutputs(result.outputs)
     progress = Progress("preprocess", sum(locations.size(p) for p in paths), enabled=show_progress)
     init_args = (spec, keys, append_eod, out_dtype, workers > 1)
     line_of: dict[str, int] = {}  # lines seen so far in each input, for file:line messages
@@ -459,6 +422,7 @@ def preprocess(
             result.blank_lines += encoded.blank
             tokens = 0
             for key, arrays in encoded.keys.items():
+                masks.add(key, arrays, writers[key])  # first: a new mask shard copies the token shard's shape so far
                 writers[key].add_documents(
                     arrays.tokens,
                     arrays.sequence_lengths,
@@ -471,9 +435,16 @@ def preprocess(
     except BaseException:
         progress.close(completed=False)
         locations.discard_all(writers, staged)
+        masks.discard()
         raise
     progress.close()
+    try:
+        masks.publish()  # the masks before their token shards: a reader never finds new tokens beside old masks
+    except BaseException:
+        locations.discard_all(writers, staged)
+        raise
     locations.publish_all(writers, staged)
+    result.loss_masks = {k: masks.prefixes[k] for k in masks.writers}
     result.input_bytes = progress.bytes
     result.seconds = progress.seconds
     return result
