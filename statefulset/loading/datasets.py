@@ -78,7 +78,9 @@ class StreamDataset:
     def fields(self) -> list[FieldSpec]:
         """What each row of a batch holds: ``text``, then ``loss_mask`` (bestfit) and the document fields."""
         stream = self.stream
-        return field_layout(stream.seq_length, stream.token_dtype, self.document_boundaries, stream.padded)
+        return field_layout(
+            stream.seq_length, stream.token_dtype, self.document_boundaries, stream.padded or stream.masked
+        )
 
     @property
     def task_encoder(self) -> Any:

@@ -68,6 +68,8 @@ class IndexedDataset:
         self.multimodal = bool(multimodal)
         self.storage_options = storage_options
         self.facts_dir = facts_dir  # where "this version passed the full check" is remembered
+        # The loss-mask shard read along with this one (statefulset.shards.loss_masks), set by the stream opening it.
+        self.loss_mask: IndexedDataset | None = None
         self._open(validate)
 
     def _open(self, validate: bool) -> None:

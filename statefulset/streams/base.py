@@ -65,6 +65,8 @@ class SampleStream:
         self.remote = False
         # Whether samples may end in padding (packing bestfit): rows then carry a loss_mask.
         self.padded = False
+        # Whether a source has a loss-mask shard (statefulset.shards.loss_masks): rows then carry a loss_mask.
+        self.masked = False
         # Set by streams.opening, for a refused restore to name shards: every source's prefix, in
         # the order of identity["shards"]; and "data" as statefulset 0.1.0 computed it (.idx only).
         self.source_prefixes: list[str] = []
@@ -109,12 +111,22 @@ class SampleStream:
     def gather_pieces(self, positions: Any, out: numpy.ndarray | None = None) -> tuple[numpy.ndarray, Pieces]:
         """:meth:`gather`, and the documents inside each row (:mod:`statefulset.streams.documents`)."""
         out, pieces = self._gather(positions, out, True)
-        if pieces is None:  # no position
-            empty = numpy.empty(0, dtype=numpy.int64)
-            pieces = Pieces(empty, empty, empty)
-        return out, pieces
+        return out, _some(pieces)
 
-    def _gather(self, positions: Any, out: numpy.ndarray | None, want: bool) -> tuple[numpy.ndarray, Pieces | None]:
+    def gather_masked(
+        self, positions: Any, out: numpy.ndarray | None = None, want: bool = True
+    ) -> tuple[numpy.ndarray, Pieces, numpy.ndarray]:
+        """:meth:`gather_pieces` (pieces only with ``want``), and each token's loss mask: uint8
+        ``[len(positions), seq_length + 1]``, read from the sources' mask shards along the tokens' own
+        ranges (1 for a source without one, 0 on bestfit padding)."""
+        count = numpy.asarray(positions).size
+        masks = numpy.empty((count, self.seq_length + EXTRA), dtype=numpy.uint8)
+        out, pieces = self._gather(positions, out, want, masks)
+        return out, _some(pieces), masks
+
+    def _gather(
+        self, positions: Any, out: numpy.ndarray | None, want: bool, masks: numpy.ndarray | None = None
+    ) -> tuple[numpy.ndarray, Pieces | None]:
         p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
         if p.size and (int(p.min()) < 0 or (not self.unbounded and int(p.max()) >= self._length)):
             bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
@@ -134,11 +146,13 @@ class SampleStream:
                 f"gather: out must be C-contiguous {(p.size, width)} of a dtype holding {self.token_dtype}, "
                 f"got {out.shape} {out.dtype}"
             )
-        pieces = self._fill(p, out, want) if p.size else None
+        pieces = self._fill(p, out, want, masks) if p.size else None
         return out, pieces
 
-    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
-        """Rows of ``out`` for ``positions``; with ``want``, also their pieces."""
+    def _fill(
+        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None
+    ) -> Pieces | None:
+        """Rows of ``out`` (and of ``masks``: each token's loss mask) for ``positions``; with ``want``, their pieces."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -146,19 +160,34 @@ class SampleStream:
         return f"{type(self).__name__}({self.split}, seq_length={self.seq_length}, {size})"
 
 
+def _some(pieces: Pieces | None) -> Pieces:
+    if pieces is None:  # no position
+        empty = numpy.empty(0, dtype=numpy.int64)
+        pieces = Pieces(empty, empty, empty)
+    return pieces
+
+
 def _fill_by_source(
-    which: numpy.ndarray, local: numpy.ndarray, out: numpy.ndarray, sources: list[Any], want: bool = False
+    which: numpy.ndarray,
+    local: numpy.ndarray,
+    out: numpy.ndarray,
+    sources: list[Any],
+    want: bool = False,
+    masks: numpy.ndarray | None = None,
 ) -> Pieces | None:
-    """Rows of ``out`` from several sources: each source gathers its rows in one call."""
+    """Rows of ``out`` (and ``masks``) from several sources: each source gathers its rows in one call."""
     present = sorted(set(which.tolist()))  # not numpy.unique: its first call imports numpy.ma (~7 ms)
     if len(present) == 1:
-        return sources[present[0]].fill(local, out, want)
+        return sources[present[0]].fill(local, out, want, masks)
     parts = []
     for d in present:
         rows = numpy.flatnonzero(which == d)
         block = numpy.empty((rows.size, out.shape[1]), dtype=out.dtype)
-        pieces = sources[d].fill(local[rows], block, want)
+        mask_block = None if masks is None else numpy.empty(block.shape, dtype=masks.dtype)
+        pieces = sources[d].fill(local[rows], block, want, mask_block)
         out[rows] = block
+        if masks is not None:
+            masks[rows] = mask_block
         if want:
             parts.append((rows, pieces))
     return merge_pieces(out.shape[0], parts) if want else None
@@ -227,11 +256,13 @@ class BlendedStream(SampleStream):
         """Samples in one epoch of the spec's only source (epoch e is positions [e*n, (e+1)*n))."""
         return samples_per_epoch(self.sources)
 
-    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
+    def _fill(
+        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None
+    ) -> Pieces | None:
         if self.schedule is None:
-            return self._fillers[0].fill(positions, out, want)
+            return self._fillers[0].fill(positions, out, want, masks)
         which, local = self.schedule.locate(positions)
-        return _fill_by_source(which, local, out, self._fillers, want)
+        return _fill_by_source(which, local, out, self._fillers, want, masks)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from statefulset.spec.model import DatasetSpec
 from statefulset.spec.splits import SPLITS
 from statefulset.streams.base import BlendedStream, OpenedSources
 from statefulset.streams.documents import Pieces
+from statefulset.streams.label_masks import gather_ranges
 from statefulset.streams.overview import logs_here
 
 logger = logging.getLogger("statefulset")
@@ -37,17 +38,24 @@ class _BinFiller:
         self.source = source
         self.pad_id = pad_id
 
-    def fill(self, local: numpy.ndarray, out: numpy.ndarray, want: bool = False) -> Pieces | None:
+    def fill(
+        self, local: numpy.ndarray, out: numpy.ndarray, want: bool = False, masks: numpy.ndarray | None = None
+    ) -> Pieces | None:
         starts, lengths, counts, used = self.source.plan(local)
         width = out.shape[1]
         if all(u == width for u in used):
-            self.source.dataset.gather(starts, lengths, out.reshape(-1))
+            gather_ranges(self.source.dataset, starts, lengths, out, masks)
         else:
             real = numpy.empty(sum(used), dtype=out.dtype)
-            self.source.dataset.gather(starts, lengths, real)
+            real_masks = None if masks is None else numpy.empty(real.size, dtype=masks.dtype)
+            gather_ranges(self.source.dataset, starts, lengths, real, real_masks)
             used_array = numpy.array(used, dtype=numpy.int64)
+            kept = numpy.arange(width)[None, :] < used_array[:, None]
             out[...] = self.pad_id
-            out[numpy.arange(width)[None, :] < used_array[:, None]] = real
+            out[kept] = real
+            if masks is not None:  # padding is never a label with loss
+                masks[...] = 0
+                masks[kept] = real_masks
         if not want:
             return None
         return Pieces(

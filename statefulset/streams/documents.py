@@ -23,6 +23,7 @@ import numpy
 
 from statefulset.errors import StatefulsetError
 from statefulset.index import compiled
+from statefulset.streams.label_masks import label_mask
 
 DOCUMENT_FIELDS = ("cu_seqlens", "max_seqlen", "position_ids")
 
@@ -215,7 +216,8 @@ def _where(positions: numpy.ndarray | None, row: int) -> str:
 
 
 def field_layout(seq_length: int, token_dtype: numpy.dtype, boundaries: bool, padded: bool) -> list[FieldSpec]:
-    """The fields of a micro-batch's rows, in the order they travel: ``text`` first."""
+    """The fields of a micro-batch's rows, in the order they travel: ``text`` first; ``padded``: rows
+    carry a ``loss_mask`` (packing bestfit, or a source with a loss-mask shard)."""
     layout = [FieldSpec("text", (seq_length + 1,), numpy.dtype(token_dtype))]
     if padded:
         layout.append(FieldSpec("loss_mask", (seq_length,), numpy.dtype(numpy.float32)))
@@ -242,16 +244,22 @@ def gather_fields(
 ) -> dict[str, numpy.ndarray]:
     """``text`` and, as the stream and ``boundaries`` ask, ``loss_mask`` and the document fields of ``positions``.
 
-    ``out`` (name -> array) receives them in place, ``text`` possibly in a narrower dtype.
+    ``out`` (name -> array) receives them in place, ``text`` possibly in a narrower dtype. A stream
+    with loss-mask shards (``stream.masked``) reads each token's mask along the tokens' ranges: its
+    ``loss_mask`` covers bestfit padding too (:mod:`statefulset.streams.label_masks`).
     """
     out = {} if out is None else out
-    padded = stream.padded
-    if not boundaries and not padded:
+    padded, masked = stream.padded, stream.masked
+    if not boundaries and not padded and not masked:
         out["text"] = stream.gather(positions, out=out.get("text"))
         return out
-    text, pieces = stream.gather_pieces(positions, out=out.get("text"))
+    if masked:
+        text, pieces, token_masks = stream.gather_masked(positions, out=out.get("text"), want=boundaries)
+        _put(out, "loss_mask", label_mask(token_masks))
+    else:
+        text, pieces = stream.gather_pieces(positions, out=out.get("text"))
     out["text"] = text
-    if padded:
+    if padded and not masked:
         _put(out, "loss_mask", loss_mask(pieces.used, stream.seq_length))
     if boundaries:
         for name, value in document_fields(pieces, stream.seq_length, positions, out=out).items():

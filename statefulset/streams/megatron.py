@@ -18,6 +18,7 @@ from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.base import EXTRA, OpenedSources, SampleStream, _fill_by_source
 from statefulset.streams.documents import Pieces
+from statefulset.streams.label_masks import gather_ranges
 
 # Batches up to this many samples are planned on Python ints, larger gathers with numpy.
 _LIST_PLAN_MAX_SAMPLES = 64
@@ -55,14 +56,16 @@ class GPTSource:
     def __len__(self) -> int:
         return int(self.sample_index.shape[0]) - 1
 
-    def fill(self, local: numpy.ndarray, out: numpy.ndarray, want: bool = False) -> Pieces | None:
-        """Rows of ``out`` for the GPTDataset samples ``local``; with ``want``, their pieces.
+    def fill(
+        self, local: numpy.ndarray, out: numpy.ndarray, want: bool = False, masks: numpy.ndarray | None = None
+    ) -> Pieces | None:
+        """Rows of ``out`` (and ``masks``) for the GPTDataset samples ``local``; with ``want``, their pieces.
 
         The pieces are megatron-core's ``document_lengths`` (the extra token included).
         """
         k = self.shuffle_index[local].astype(numpy.int64)
         if k.size > _LIST_PLAN_MAX_SAMPLES:
-            return self._fill_vectorised(k, out, want)
+            return self._fill_vectorised(k, out, want, masks)
         # A batch: rows k and k+1 of sample_index in one lookup, then a plan on Python ints (numpy's
         # per-call overhead would dominate for a few samples). Sample b is the pieces
         # document_index[first_b .. last_b]: the first starts at the sample's offset, the last ends
@@ -82,14 +85,16 @@ class GPTSource:
                 lengths[at] -= offset
                 lengths[final] = end + EXTRA
             at = final + 1
-        self.dataset.gather(starts, lengths, out.reshape(-1))
+        gather_ranges(self.dataset, starts, lengths, out, masks)
         if not want:
             return None
         counts = numpy.array([last - first + 1 for first, _, last, _ in bounds], dtype=numpy.int64)
         width = numpy.full(counts.size, out.shape[1], dtype=numpy.int64)
         return Pieces(counts, numpy.array(lengths, dtype=numpy.int64), width)
 
-    def _fill_vectorised(self, k: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
+    def _fill_vectorised(
+        self, k: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
+    ) -> Pieces | None:
         begin = self.sample_index[k].astype(numpy.int64)
         end = self.sample_index[k + 1].astype(numpy.int64)
         pieces = end[:, 0] - begin[:, 0] + 1
@@ -110,7 +115,7 @@ class GPTSource:
             hi = numpy.where(last, numpy.repeat(end[:, 1] + EXTRA, pieces), self._lengths[seq])
             starts = self._first_tokens(seq) + lo
             lengths = hi - lo
-        self.dataset.gather(starts, lengths, out.reshape(-1))
+        gather_ranges(self.dataset, starts, lengths, out, masks)
         if not want:
             return None
         return Pieces(pieces, lengths.astype(numpy.int64), numpy.full(k.size, out.shape[1], dtype=numpy.int64))
@@ -126,12 +131,14 @@ class MegatronStream(SampleStream):
         self.blend = blend
         self.blend_counts: numpy.ndarray | None = None  # samples the blend draws from each source
 
-    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
+    def _fill(
+        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None
+    ) -> Pieces | None:
         if self.blend is None:
-            return self.sources[0].fill(positions, out, want)
+            return self.sources[0].fill(positions, out, want, masks)
         which = self.blend["dataset_index"][positions].astype(numpy.int64)
         local = self.blend["dataset_sample_index"][positions].astype(numpy.int64)
-        return _fill_by_source(which, local, out, self.sources, want)
+        return _fill_by_source(which, local, out, self.sources, want, masks)
 
 
 def open_megatron(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> MegatronStream:

@@ -18,6 +18,7 @@ from statefulset.spec.model import DatasetSpec
 from statefulset.spec.splits import SPLITS
 from statefulset.streams.base import BlendedStream, OpenedSources
 from statefulset.streams.documents import Pieces, within_rows
+from statefulset.streams.label_masks import gather_ranges
 
 
 class _WindowFiller:
@@ -27,10 +28,12 @@ class _WindowFiller:
         self._sequence_starts = source.dataset.sequence_pointers[lo:hi]  # bytes, mapped: searched, never copied
         self._pointers_address: int | None = None
 
-    def fill(self, local: numpy.ndarray, out: numpy.ndarray, want: bool = False) -> Pieces | None:
+    def fill(
+        self, local: numpy.ndarray, out: numpy.ndarray, want: bool = False, masks: numpy.ndarray | None = None
+    ) -> Pieces | None:
         starts = self.source.window_starts(local)
         lengths = numpy.full(starts.shape, out.shape[1], dtype=numpy.int64)
-        self.source.dataset.gather(starts, lengths, out.reshape(-1))
+        gather_ranges(self.source.dataset, starts, lengths, out, masks)
         return self._pieces(starts, out.shape[1]) if want else None
 
     def _pieces(self, starts: numpy.ndarray, width: int, native: bool | None = None) -> Pieces:

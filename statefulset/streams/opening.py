@@ -21,6 +21,7 @@ import numpy
 from statefulset import settings
 from statefulset.errors import StatefulsetError
 from statefulset.index.cache import builds as cache_builds
+from statefulset.shards import loss_masks
 from statefulset.shards.digests import ShardDigest, identify, shard_checks
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec, load_spec
@@ -104,7 +105,8 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         datasets.append(dataset)
         ranges.append(lo_hi)
         with spec.blame(data_key):
-            found.append(identify(dataset, memo))
+            dataset.loss_mask = loss_masks.open_mask(dataset, memo)
+            found.append(with_mask(identify(dataset, memo), dataset.loss_mask, memo))
             digests.append(found[-1].content)
     identity = {
         "packing": spec.packing,
@@ -152,8 +154,23 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     # What "data" was before identities covered the .bin (statefulset 0.1.0): such states restore
     # when their .idx, ranges and weights match (statefulset.loading.state.check_identity).
     stream.legacy_data = _sources_digest([{"idx_digest": d.idx} for d in found], ranges, live)
-    stream.shards = list(datasets)
+    # A mask shard is read as its tokens are: pinned and checked for replacement the same way.
+    stream.shards = list(datasets) + [d.loss_mask for d in datasets if d.loss_mask is not None]
+    stream.masked = any(d.loss_mask is not None for d in datasets)
     return stream
+
+
+def with_mask(tokens: ShardDigest, mask: IndexedDataset | None, memo: str) -> ShardDigest:
+    """A source's digest: its token shard's, and its mask shard's where it has one (so that a mask shard
+    that appears, goes or changes makes another source, and a state saved on the other is refused)."""
+    if mask is None:
+        return tokens
+    masks = identify(mask, memo)
+
+    def both(a: str, b: str) -> str:
+        return hashlib.blake2b(f"{a}+loss_mask:{b}".encode(), digest_size=16).hexdigest()
+
+    return ShardDigest(both(tokens.idx, masks.idx), both(tokens.bin, masks.bin))
 
 
 def _sources_digest(digests: list[dict[str, str]], ranges: list[tuple[int, int]], live: list[Any]) -> str:

@@ -138,9 +138,11 @@ class StagedStream(SampleStream):
         counts = self.offsets[k] + self._stage_counts(k, p - int(self.starts[k]))
         return {prefix: int(c) for prefix, c in zip(self.prefixes, counts.tolist(), strict=True)}
 
-    def _fill(self, positions: numpy.ndarray, out: numpy.ndarray, want: bool) -> Pieces | None:
+    def _fill(
+        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None
+    ) -> Pieces | None:
         which, local = self.locate(positions)
-        return _fill_by_source(which, local, out, self._fillers, want)
+        return _fill_by_source(which, local, out, self._fillers, want, masks)
 
     def __repr__(self) -> str:
         return f"StagedStream({self.split}, seq_length={self.seq_length}, {len(self.starts)} stages, unbounded)"

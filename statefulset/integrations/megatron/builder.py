@@ -36,6 +36,7 @@ from statefulset.parallel.groups import create_parallel_groups, raise_on_every_r
 from statefulset.parallel.layout import ParallelLayout, RankInfo
 from statefulset.parallel.transfer import LINK_TAG, StageLink, TensorSpec, broadcast_batch
 from statefulset.spec.model import DatasetSpec, load_spec
+from statefulset.streams.label_masks import spec_has_masks
 from statefulset.transforms.hooks import refuse_custom_batch
 
 
@@ -311,9 +312,9 @@ def build_megatron_iterators(
     seq_length = spec.seq_length
     b, s = micro_batch_size, seq_length
     # The last stage derives its fields from what the first sends: text, and the loader's extra
-    # fields (bestfit's loss_mask, the document boundaries) when there are any.
+    # fields (the loss_mask of bestfit or of loss-mask shards, the document boundaries) when there are any.
     link_specs = [TensorSpec("text", (b, s + 1), torch.int64), TensorSpec("sample_id", (b,), torch.int64)]
-    if spec.packing == "bestfit":
+    if spec.packing == "bestfit" or spec_has_masks(spec):
         link_specs.append(TensorSpec("loss_mask", (b, s), torch.float32))
     if documents:
         link_specs += [TensorSpec("cu_seqlens", (b, s + 1), torch.int32), TensorSpec("max_seqlen", (b,), torch.int32),

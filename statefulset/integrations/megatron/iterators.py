@@ -16,6 +16,7 @@ from statefulset.errors import StatefulsetError
 from statefulset.integrations.megatron.batch import Format, GPTBatchConfig, format_batch
 from statefulset.loading.loader import SavableLoader
 from statefulset.parallel.transfer import StageLink
+from statefulset.streams.label_masks import link_fields
 
 TensorParallelMode = Literal["broadcast", "read"]
 SPLIT_TAGS = {"train": 0, "valid": 1, "test": 2}  # tags of each split's stage link
@@ -97,7 +98,7 @@ class MegatronIterator:
         raw = self._next_raw()
         if not self.receive:
             for link in ([self.link] if self.link is not None else []) + self.fanout:
-                link.send({spec.name: raw[spec.name] for spec in link.specs})
+                link.send(link_fields(raw, link.specs))
         self.batches += 1
         if "text" not in raw:  # a middle stage: the document boundaries are its whole batch
             return dict(raw)

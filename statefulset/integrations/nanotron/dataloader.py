@@ -62,6 +62,7 @@ from statefulset.parallel.groups import create_parallel_groups, raise_on_every_r
 from statefulset.parallel.layout import ParallelLayout, RankInfo
 from statefulset.parallel.transfer import StageLink, TensorSpec
 from statefulset.spec.model import DatasetSpec, load_spec
+from statefulset.streams.label_masks import link_fields, spec_has_masks
 from statefulset.transforms.hooks import refuse_custom_batch
 
 __all__ = ["NanotronDataLoader", "build_nanotron_dataloader"]
@@ -154,7 +155,7 @@ class NanotronDataLoader:
         if self.loader is not None:  # the input stage
             raw = next(self.loader)
             if self.link is not None:
-                self.link.send({spec.name: raw[spec.name] for spec in self.link.specs})
+                self.link.send(link_fields(raw, self.link.specs))
         elif self.link is not None:  # the output stage of a pipeline whose input stage is elsewhere
             raw = self.link.recv()
         text, sample_id = raw.get("text"), raw.get("sample_id")
@@ -424,7 +425,7 @@ def build_nanotron_dataloader(
         TensorSpec("text", (micro_batch_size, seq_length + 1), torch.int64),
         TensorSpec("sample_id", (micro_batch_size,), torch.int64),
     ]
-    if parsed.packing == "bestfit":  # the output stage masks padded labels
+    if parsed.packing == "bestfit" or spec_has_masks(parsed):  # the output stage masks padding and prompts
         specs.append(TensorSpec("loss_mask", (micro_batch_size, seq_length), torch.float32))
     if needs_link and info.pp_rank == input_pp_rank:
         link = StageLink(pipeline[output_pp_rank], specs, group=group, depth=depth)
