@@ -225,3 +225,28 @@ def test_integrations_take_the_mask(shards):
         mask = sample["loss_mask"] if isinstance(sample, dict) else sample.loss_mask
         numpy.testing.assert_array_equal(mask, plain[p]["loss_mask"])
     assert "loss_mask" in TokenSample.__dataclass_fields__
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_explain_shows_the_spans_with_loss(shards, packing):
+    root, masks = shards
+    ds = get_train_dataset(spec_for(root, packing, {str(root / "chat"): 0.5, str(root / "web"): 0.5}), batch_size=2)
+    seen = set()
+    for p in range(30):
+        found = ds.explain(p)
+        masked_source = found.source == str(root / "chat")
+        seen.add(masked_source)
+        for piece in found.pieces:
+            if not masked_source:
+                assert piece.loss_spans is None
+                continue
+            mask = masks[piece.sequence]
+            want = numpy.zeros(mask.size, numpy.uint8)
+            for a, b in piece.loss_spans:
+                assert piece.offset <= a < b <= piece.offset + piece.tokens
+                want[a:b] = 1
+            run = slice(piece.offset, piece.offset + piece.tokens)
+            numpy.testing.assert_array_equal(want[run], mask[run])
+        if masked_source and found.pieces:
+            assert "loss on tokens" in found.text()
+    assert seen == {True, False}

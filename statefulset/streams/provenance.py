@@ -52,6 +52,9 @@ class Piece:
     bin_offset: int  # first token of the run, counted from the start of the .bin (in tokens)
     sequence_tokens: int  # length of the whole sequence
     text: str | None = None  # the run decoded, when a tokenizer was given
+    # Where the shard has a loss-mask shard: the runs [first, stop) of tokens (counted within the
+    # sequence, as ``offset``) whose loss counts; the tokens between them are masked (prompt).
+    loss_spans: list[tuple[int, int]] | None = None
 
     def read(self, dataset: IndexedDataset) -> numpy.ndarray:
         """The run's tokens, read from the shard."""
@@ -89,10 +92,13 @@ class Provenance:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (ints, strings, lists): what ``statefulset explain --json`` prints (``task_encoder``
-        only when the dataset has one)."""
+        only when the dataset has one, a piece's ``loss_spans`` only when its shard has a loss mask)."""
         found = asdict(self)
         if found["task_encoder"] is None:
             del found["task_encoder"]
+        for piece in found["pieces"]:  # loss_spans only for a shard with a loss-mask shard
+            if piece["loss_spans"] is None:
+                del piece["loss_spans"]
         return found
 
     def text(self) -> str:
@@ -111,6 +117,9 @@ class Provenance:
                 f"[{piece.offset}, {piece.offset + piece.tokens}) of {piece.sequence_tokens}, "
                 f".bin token {piece.bin_offset}"
             )
+            if piece.loss_spans is not None:
+                spans = ", ".join(f"[{a}, {b})" for a, b in piece.loss_spans) or "none"
+                lines.append(f"      loss on tokens {spans}; the rest of the run is masked")
             if piece.text is not None:
                 shown = piece.text if len(piece.text) <= _TEXT_PREVIEW else piece.text[:_TEXT_PREVIEW] + "…"
                 lines.append(f"      {shown!r}")
@@ -173,10 +182,20 @@ def _pieces(dataset: IndexedDataset, runs: list[tuple[int, int, int]]) -> list[P
     pointers = dataset.sequence_pointers[sequences].tolist() if sequences else []
     lengths = dataset.sequence_lengths[sequences].tolist() if sequences else []
     documents = _documents(dataset, sequences)
-    return [
+    pieces = [
         Piece(dataset.path_prefix, s, d, offset, count, pointer // itemsize + offset, length)
         for (s, offset, count), pointer, length, d in zip(runs, pointers, lengths, documents, strict=True)
     ]
+    if dataset.loss_mask is None:
+        return pieces
+    return [replace(pc, loss_spans=_loss_spans(dataset.loss_mask, pc)) for pc in pieces]
+
+
+def _loss_spans(mask: IndexedDataset, piece: Piece) -> list[tuple[int, int]]:
+    """The runs of ``piece`` whose mask is 1, as ``[first, stop)`` offsets within its sequence."""
+    values = numpy.r_[0, mask.read_range(piece.bin_offset, piece.tokens) != 0, 0].astype(numpy.int8)
+    edges = numpy.flatnonzero(numpy.diff(values))
+    return [(piece.offset + int(a), piece.offset + int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def source_prefixes(stream: SampleStream, positions: numpy.ndarray) -> list[str]:
