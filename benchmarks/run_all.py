@@ -49,6 +49,7 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_watchdog_thread.py": ["--quick"],
     "bench_task_encoder.py": ["--quick"],
     "bench_fim.py": ["--quick"],
+    "bench_metrics.py": ["--quick"],
     "bench_concurrent_open.py": [
         "--docs",
         "200000",

@@ -317,3 +317,34 @@ def test_without_lightning_the_import_says_what_to_install():
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install statefulset[lightning]" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_datamodule_logs_the_loader_metrics_to_the_trainer_loggers(tmp_path, spec):
+    from lightning.pytorch.loggers import Logger
+
+    class Kept(Logger):
+        def __init__(self):
+            super().__init__()
+            self.logged: list[tuple[int, dict]] = []
+
+        name, version = "kept", 0
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            if any(k.startswith("data/") for k in metrics):
+                self.logged.append((step, dict(metrics)))
+
+    kept = Kept()
+    dm = StatefulsetDataModule(spec, micro_batch_size=B, num_workers=1, log_metrics_every_n_steps=2)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=5, limit_val_batches=0, logger=kept, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(Recorder(str(tmp_path / "r")), datamodule=dm)
+    assert [step for step, _ in kept.logged] == [0, 2, 4]
+    last = kept.logged[-1][1]
+    assert last["data/batches"] == 5 and last["data/position"] == 5 * B  # the batches of steps 0..4 were taken
+    assert last["data/data_wait_seconds"] > 0
+    assert any(k.startswith("data/source/") and k.endswith("/weight") for k in last)

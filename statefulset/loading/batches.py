@@ -43,6 +43,7 @@ from statefulset.errors import StatefulsetError
 from statefulset.loading.encoded import pack, received
 from statefulset.loading.read_ahead import read_ahead, read_ahead_depth
 from statefulset.loading.state import Cursor
+from statefulset.shards import storage_stats
 from statefulset.streams.base import SampleStream
 from statefulset.streams.documents import FieldSpec, gather_fields
 from statefulset.streams.provenance import source_prefixes
@@ -98,6 +99,8 @@ class BatchRing:
         self.started = torch.zeros(workers, dtype=torch.int8).share_memory_()
         # Per slot: the begin and end sequence stamps (the first batch number of the bundle in it).
         self.stamps = torch.full((workers, slots, 2), -1, dtype=torch.int64).share_memory_()
+        # Each worker's storage and read-ahead counters (statefulset.shards.storage_stats), read by the trainer.
+        self.stats = torch.zeros((workers, storage_stats.WIDTH), dtype=torch.float64).share_memory_()
         self._flat = self.block.numpy()
         self._stamps = self.stamps.numpy()
         self._views: dict[tuple[int, int], dict[str, numpy.ndarray]] = {}
@@ -277,6 +280,7 @@ class BatchSource(IterableDataset):
         if ring is None:
             raise StatefulsetError("internal: a worker started without its batch ring")
         ring.started[info.id] = 1
+        storage_stats.attach(ring.stats[info.id].numpy(), [d.path_prefix for d in self.stream.shards])
         if self.encoder is not None:
             yield from self._serve_encoded(ring, info.id, info.num_workers)
             return

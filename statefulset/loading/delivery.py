@@ -22,9 +22,11 @@ from statefulset.loading import torch_internals
 from statefulset.loading.batches import BatchRing, BatchSource, bundle_size, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
+from statefulset.loading.metrics import Meter, Timer
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog
 from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, stop_workers
+from statefulset.shards import storage_stats
 
 
 def _identity(item: Any) -> Any:
@@ -87,6 +89,7 @@ class Delivery:
         self.start_watch = StartWatch(options["multiprocessing_context"]) if self.workers else None
         self.restarted = self.superseded = False
         self.in_process: InProcessSource | None = None
+        self.meter: Meter = options["meter"]
         if reuse is not None:
             self._resume(*reuse)
         else:
@@ -94,6 +97,7 @@ class Delivery:
 
     def _start(self, cursor: Cursor) -> None:
         self.loader, self.source = _data_loader(self.dataset, cursor, self.options)
+        self.meter.ring = self.source.ring
         self.iterator = iter(self.loader)
         if self.workers:
             torch_internals.check_iterator(self.iterator)
@@ -104,6 +108,7 @@ class Delivery:
     def _resume(self, loader: DataLoader, source: BatchSource, iterator: Any) -> None:
         """A new pass of persistent workers: torch drains the last pass's batches and restarts them."""
         self.loader, self.source = loader, source
+        self.meter.ring = source.ring
         # The drain waits with the iterator's timeout: bound it by the watchdog's (or the loader's).
         period = self.watchdog.period(True)
         bound = min(x for x in (period * HARD_PERIODS if period else None, self.timeout or None, 3600.0) if x)
@@ -133,6 +138,7 @@ class Delivery:
             if stuck:
                 stop_workers(self.iterator, stuck)
                 self.start_watch.restarted(stuck, self.next_t)
+                self.meter.restarts += len(stuck)
                 self.restarted = True
                 c = self.source.cursor  # the same batches again, from the first one not delivered
                 self._start(Cursor(c.base, self.next_t, c.dp_rank, c.dp_size, c.batch_size))
@@ -160,15 +166,19 @@ class Delivery:
             raise
 
     def __next__(self) -> Any:
+        with Timer(self.meter):
+            batch = self._next()
+        self.meter.batches += 1
+        return batch
+
+    def _next(self) -> Any:
         if self.superseded:
             raise StatefulsetError(
                 "this pass of a validation loader was superseded by a later iter() of the same loader: its "
                 "persistent workers serve one pass at a time (finish a pass, or use one loader per pass)"
             )
         if not self.ready:
-            item = self.watchdog.wait(
-                self._get, self.first, lambda: describe_batch(self.source, self.next_t, self.workers)
-            )
+            item = self.watchdog.wait(self._get, self.first, self._describe, self.meter)
             self.ready = receive(self.source, item, self.next_t)
             self.ready.reverse()
         batch = self.ready.pop()
@@ -177,6 +187,16 @@ class Delivery:
         if self.pin:
             batch = pin(batch)
         return batch
+
+    def _describe(self) -> str:
+        """The awaited batch, for the watchdog and the stall report: worker, positions, files, oldest request."""
+        text = describe_batch(self.source, self.next_t, self.workers)
+        shards = [d.path_prefix for d in self.dataset.stream.shards]
+        found = storage_stats.oldest(self.meter.storage_rows(), shards)
+        if found is not None:
+            age, where = found
+            text += f"; oldest storage request in flight: {age:.1f} s, reading {where + '.*' if where else '?'}"
+        return text
 
     def __iter__(self) -> Delivery:
         return self

@@ -21,6 +21,8 @@ from statefulset.errors import StatefulsetError, check_int
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.delivery import Delivery
 from statefulset.loading.encoder_state import check_encoder, with_encoder
+from statefulset.loading.metrics import Meter, log_metrics, rank_metrics
+from statefulset.loading.metrics import across_ranks as gather_waits
 from statefulset.loading.state import (
     Cursor,
     fit_global_state,
@@ -30,7 +32,7 @@ from statefulset.loading.state import (
 )
 from statefulset.loading.state import decode as decode_state
 from statefulset.loading.state import encode as encode_state
-from statefulset.loading.watchdog import Watchdog
+from statefulset.loading.watchdog import STALL_SECONDS, Watchdog
 from statefulset.loading.worker_config import WorkerConfig
 from statefulset.parallel.arrival import DEFAULT_TIMEOUT, check_timeout, meet
 from statefulset.parallel.exchange import gather_bytes, scatter_bytes
@@ -55,6 +57,7 @@ def _options(
         "multiprocessing_context": multiprocessing_context,
         "timeout": timeout,
         "watchdog": watchdog or Watchdog(None),
+        "meter": Meter(),
     }
 
 
@@ -83,6 +86,10 @@ class Loader:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def metrics(self) -> dict[str, float]:
+        """This loader's counters over all its passes (docs/observability.md); no source shares (one pass)."""
+        return rank_metrics(self._options["meter"], self.dataset, None)
 
 
 class SavableLoader:
@@ -129,6 +136,25 @@ class SavableLoader:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    # -- metrics (docs/observability.md) ----------------------------------------------------------
+    def metrics(self, across_ranks: bool = False) -> dict[str, float]:
+        """This rank's metrics as a flat ``dict[str, float]``; microseconds to read.
+
+        ``across_ranks=True`` is a collective over the DP group (bounded by ``collective_timeout``)
+        adding ``data_wait_seconds/max|min|mean|max_rank``.
+        """
+        c = self._cursor  # the place (consumed_samples), without building a Cursor
+        values = rank_metrics(
+            self._options["meter"], self.dataset, c.base + (c.batches + self._taken) * c.dp_size * c.batch_size
+        )
+        if across_ranks:
+            return gather_waits(values, self.worker_config, self.collective_timeout)
+        return values
+
+    def log_metrics(self, writer: Any, step: int, across_ranks: bool = False, prefix: str = "data/") -> None:
+        """``writer.add_scalar(prefix + name, value, step)`` for every metric (a SummaryWriter-like object)."""
+        log_metrics(self.metrics(across_ranks), writer, step, prefix)
 
     @property
     def batches_taken(self) -> int:
@@ -375,6 +401,7 @@ def get_savable_loader(
     timeout: float = 0,
     collective_timeout: float | None = DEFAULT_TIMEOUT,
     allow_changed_task_encoder: bool = False,
+    stall_seconds: float | None = STALL_SECONDS,
 ) -> SavableLoader:
     """A loader whose state saves and restores exactly (Energon's signature).
 
@@ -387,13 +414,16 @@ def get_savable_loader(
     the other DP ranks (seconds, default 300; see :class:`SavableLoader`).
     ``allow_changed_task_encoder=True`` restores a state saved with another task encoder (or
     version of it), logged at WARNING, instead of refusing it (docs/transforms.md).
+    ``stall_seconds`` (default 10, None: off): one ``next()`` waiting that long logs a WARNING
+    naming the worker, micro-batch, positions, files and oldest storage request
+    (docs/observability.md); ``loader.metrics()`` reports the data wait.
     """
     _check_config(dataset, worker_config)
     return SavableLoader(
         dataset,
         collective_timeout=collective_timeout,
         allow_changed_task_encoder=allow_changed_task_encoder,
-        watchdog=Watchdog(watchdog_timeout_seconds, watchdog_initial_timeout_seconds, fail_on_timeout),
+        watchdog=Watchdog(watchdog_timeout_seconds, watchdog_initial_timeout_seconds, fail_on_timeout, stall_seconds),
         prefetch_factor=prefetch_factor,
         pin_memory=pin_memory,
         persistent_workers=persistent_workers,
@@ -415,12 +445,13 @@ def get_loader(
     persistent_workers: bool = True,
     multiprocessing_context: Any = None,
     timeout: float = 0,
+    stall_seconds: float | None = STALL_SECONDS,
 ) -> Loader:
     """A plain loader (validation): not savable, each pass starts at the beginning."""
     _check_config(dataset, worker_config)
     return Loader(
         dataset,
-        watchdog=Watchdog(watchdog_timeout_seconds, watchdog_initial_timeout_seconds, fail_on_timeout),
+        watchdog=Watchdog(watchdog_timeout_seconds, watchdog_initial_timeout_seconds, fail_on_timeout, stall_seconds),
         prefetch_factor=prefetch_factor,
         pin_memory=pin_memory,
         persistent_workers=persistent_workers,

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from statefulset import settings
+from statefulset.shards import storage_stats
 
 T = TypeVar("T")
 
@@ -38,6 +39,8 @@ def read_ahead(produce: Callable[[int], T], batches: Iterable[int], depth: int) 
                 pending.append((t, pool.submit(produce, t)))
             if not pending:
                 return
-            yield pending.popleft()
+            t, future = pending.popleft()
+            storage_stats.read_ahead_taken(future.done())
+            yield t, future
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -156,3 +156,15 @@ def scatter_bytes(
     if failed:
         _raise_from(payload, source or f"global rank {src}")
     return payload
+
+
+def all_gather_floats(values: list[float], group: Any = None, what: str = "all_gather_floats") -> torch.Tensor:
+    """Every rank's ``values`` as a float64 ``[world, len(values)]`` tensor (on the CPU), in group-rank order.
+
+    One all-gather of ``len(values)`` floats per rank: for a few metrics, not for payloads.
+    """
+    device = _device(group)
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    _collective(what, "all-gather", group, lambda: dist.all_gather(out, mine, group=group))
+    return torch.stack(out).cpu()

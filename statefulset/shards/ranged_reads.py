@@ -27,6 +27,7 @@ from typing import Any
 
 from statefulset import settings
 from statefulset.errors import StatefulsetError
+from statefulset.shards import storage_stats
 from statefulset.shards.faults import changed_error, describe, is_transient
 from statefulset.shards.throttle import limiter
 
@@ -70,23 +71,28 @@ async def _one(url: str, etag: str, get: Callable[[], Awaitable[bytes]], lim: An
     while True:
         attempt += 1
         epoch = await lim.acquire()
+        ticket = storage_stats.request_started(url)
         try:
             data = await get()
         except asyncio.CancelledError:
             lim.release(epoch, failed=False)
+            storage_stats.request_ended(ticket, None, False)
             raise
         except Exception as exc:
             transient = is_transient(exc) and not is_changed(exc)
             lim.release(epoch, failed=transient, cause=type(exc).__name__)
-            if is_changed(exc):
-                raise changed_error(url, f"ETag {etag}") from exc
             now = time.monotonic()
             first_failure = first_failure if first_failure is not None else now
             allowed = retries * OVERLOAD_TRIES if is_overload(exc) else retries
-            if not transient or attempt > allowed or now - first_failure >= budget:
+            final = is_changed(exc) or not transient or attempt > allowed or now - first_failure >= budget
+            storage_stats.request_ended(ticket, None, not final)
+            if is_changed(exc):
+                raise changed_error(url, f"ETag {etag}") from exc
+            if final:
                 raise describe(url, exc, attempt) from exc
             continue
         lim.release(epoch, failed=False)
+        storage_stats.request_ended(ticket, len(data), False)
         return data
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from statefulset.errors import StatefulsetError
 from statefulset.streams.opening import open_stream
+from statefulset.streams.standing import standing, weights_at
 
 
 @dataclass
@@ -57,24 +58,14 @@ def schedule_report(spec: str | os.PathLike[str], position: int) -> ScheduleRepo
     stream: Any = open_stream(spec, "train")
     if not hasattr(stream, "source_positions"):
         raise StatefulsetError(f"{os.fspath(spec)}: --at needs packing native or bestfit (a stream of positions)")
-    counts = stream.source_positions(position)
-    if hasattr(stream, "stage_of"):
-        k = stream.stage_of(position)
-        start = int(stream.starts[k])
-        following = int(stream.starts[k + 1]) if k + 1 < len(stream.starts) else None
-        weights = [0.0] * len(stream.sources)
-        for s, w in zip(stream.stage_sources[k], stream.stage_weights[k], strict=True):
-            weights[s] = w
-    else:
-        k, start, following = 0, 0, None
-        weights = list(stream.weights) if len(stream.sources) > 1 else [1.0]
-    total = sum(weights) or 1.0
+    k, _ = weights_at(stream, position)
+    start = int(stream.starts[k]) if hasattr(stream, "starts") else 0
+    following = int(stream.starts[k + 1]) if hasattr(stream, "starts") and k + 1 < len(stream.starts) else None
     report = ScheduleReport(os.fspath(spec), position, k, start, following)
-    for (prefix, count), source, weight in zip(counts.items(), stream.sources, weights, strict=True):
-        per_epoch = int(source.windows)
+    for s in standing(stream, position) or []:
         report.sources.append(
             SourceStanding(
-                prefix, count, count / position if position else 0.0, weight / total, per_epoch, count / per_epoch
+                s.prefix, s.samples, s.samples / position if position else 0.0, s.weight, s.samples_per_epoch, s.epochs
             )
         )
     return report

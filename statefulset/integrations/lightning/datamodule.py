@@ -63,7 +63,9 @@ pl = _import_lightning()
 
 FORMAT = "statefulset.datamodule"
 VERSION = 1
-_LOADER_OPTIONS = {"prefetch_factor", "pin_memory", "persistent_workers", "multiprocessing_context", "timeout"}
+_LOADER_OPTIONS = {
+    "prefetch_factor", "pin_memory", "persistent_workers", "multiprocessing_context", "timeout", "stall_seconds"
+}  # fmt: skip
 # Only the savable training loader runs collectives (see SavableLoader).
 _TRAIN_LOADER_OPTIONS = {"collective_timeout", "allow_changed_task_encoder"}
 
@@ -89,8 +91,10 @@ class StatefulsetDataModule(pl.LightningDataModule):
             ``state_dict()`` gathers the loader states over it. ``None`` with a DP size smaller than
             the world tries megatron-core's ``parallel_state``.
         seed_offset: ``WorkerConfig.seed_offset`` (worker seeds for user transforms only).
+        log_metrics_every_n_steps: every that many optimizer steps, the training loader's
+            ``metrics()`` go to the trainer's loggers under ``data/`` (docs/observability.md); None: never.
         loader_options: ``prefetch_factor``, ``pin_memory``, ``persistent_workers``,
-            ``multiprocessing_context``, ``timeout`` for every loader; ``collective_timeout`` for the
+            ``multiprocessing_context``, ``timeout``, ``stall_seconds`` for every loader; ``collective_timeout`` for the
             training loader (how long ``state_dict()`` waits for every DP rank, default 300 s).
     """
 
@@ -107,6 +111,7 @@ class StatefulsetDataModule(pl.LightningDataModule):
         data_parallel_group: Any = None,
         seed_offset: int = 0,
         task_encoder: Any = None,
+        log_metrics_every_n_steps: int | None = None,
         **loader_options: Any,
     ) -> None:
         super().__init__()
@@ -118,6 +123,10 @@ class StatefulsetDataModule(pl.LightningDataModule):
         self.num_workers = check_int("num_workers", num_workers, 0, where)
         self.limit_val_batches = check_int("limit_val_batches", limit_val_batches, 0, where, none_ok=True)
         self.seed_offset = check_int("seed_offset", seed_offset, 0, where)
+        self.log_metrics_every_n_steps = check_int(
+            "log_metrics_every_n_steps", log_metrics_every_n_steps, 1, where, none_ok=True
+        )
+        self._metrics_logged_at: int | None = None
         if (dp_rank is None) != (dp_size is None):
             raise StatefulsetError("StatefulsetDataModule: give both dp_rank and dp_size, or neither")
         if dp_size is not None:
@@ -230,6 +239,20 @@ class StatefulsetDataModule(pl.LightningDataModule):
         if self.init_global_step is None:
             return self.init_consumed_samples
         return self.compute_consumed_samples(self._global_step() - self.init_global_step)
+
+    # -- metrics (docs/observability.md) -----------------------------------------------------------
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Lightning's hook, once per training batch: log the loader's metrics every n steps."""
+        trainer, every = self._trainer(), self.log_metrics_every_n_steps
+        if every is None or trainer is None or not trainer.training or self._train_loader is None:
+            return batch
+        step = int(trainer.global_step)
+        if step % every == 0 and step != self._metrics_logged_at:  # once per step, whatever the accumulation
+            self._metrics_logged_at = step
+            values = {"data/" + k: v for k, v in self._train_loader.metrics().items()}
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=step)
+        return batch
 
     # -- loaders ---------------------------------------------------------------------------------
     @property

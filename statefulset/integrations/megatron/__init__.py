@@ -11,6 +11,7 @@ from statefulset.integrations.megatron.batch import (
 )
 from statefulset.integrations.megatron.builder import MegatronData, build_megatron_iterators
 from statefulset.integrations.megatron.iterators import MegatronIterator
+from statefulset.integrations.megatron.metrics_logging import log_loader_metrics
 from statefulset.integrations.megatron.state_files import (
     add_statefulset_args,
     layout_from_megatron_args,
@@ -33,6 +34,7 @@ __all__ = [
     "layout_from_megatron_args",
     "load_megatron_dataloader_state",
     "load_megatron_dataloader_state_from_args",
+    "log_loader_metrics",
     "megatron_dataloader_state_path",
     "save_megatron_dataloader_state",
 ]

@@ -1,0 +1,124 @@
+"""What ``loader.metrics()`` costs: throughput reading it every step against never, and one read alone.
+
+Counting is always on (two clock reads a batch in the trainer, an array add per storage request),
+so "off" here is a loop that never reads the metrics and "on" one that reads ``loader.metrics()``
+after every batch, as a logger at ``log_interval=1`` would: the worst case. 2 DataLoader
+workers over a local native-packed corpus with a two-stage schedule (the per-source values walk
+the blend tree whenever the position moved), alternating the two loops. Also the time of one
+``metrics()`` call at a position that moved, and of ``metrics(across_ranks=True)`` on one rank.
+
+    python benchmarks/bench_metrics.py [--repeats 5] [--batches 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+BATCH, SEQ, WORKERS = 8, 128, 2
+
+
+def staged_spec(folder: str) -> str:
+    import yaml
+
+    from statefulset.tools.demo import demo_spec
+
+    with open(demo_spec(folder, documents=20000, seq_length=SEQ)) as f:
+        plain = yaml.safe_load(f)
+    blend = plain.pop("data_path")
+    prefixes = list(blend) if isinstance(blend, dict) else blend[1::2]
+    first = {p: float(i + 1) for i, p in enumerate(prefixes)}
+    plain["stages"] = [{"start": 0, "data_path": first}, {"start": 5000, "data_path": dict(reversed(first.items()))}]
+    path = os.path.join(folder, "staged.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(plain, f)
+    return path
+
+
+def batches_per_second(spec: str, read: bool, batches: int) -> float:
+    from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=WORKERS)
+    loader = get_savable_loader(get_train_dataset(spec, batch_size=BATCH, worker_config=wc))
+    it = iter(loader)
+    for _ in range(50):  # warm: workers started, caches
+        next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+        if read:
+            loader.metrics()
+    return batches / (time.perf_counter() - start)
+
+
+def call_us(spec: str, across: bool, calls: int) -> float:
+    from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    loader = get_savable_loader(get_train_dataset(spec, batch_size=BATCH, worker_config=wc))
+    next(iter(loader))
+    meter = loader._options["meter"]
+    start = time.perf_counter()
+    for _ in range(calls):
+        meter._place = None  # as if the position moved: the blend tree is walked each time
+        loader.metrics(across)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=3000)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_metrics.json"))
+    parser.add_argument("--quick", action="store_true", help="smoke run (3 runs of 200 batches)")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.batches = 3, 200
+        args.out = os.path.join(HERE, "out", "quick", "bench_metrics.json")
+
+    import torch
+    from benchenv import environment, git_state, load_average, spread
+
+    torch.set_num_threads(1)
+    spec = staged_spec(tempfile.mkdtemp(prefix="bench-metrics-"))
+    runs: dict[str, list[float]] = {"never_read": [], "read_every_step": []}
+    calls: dict[str, list[float]] = {"metrics_us": [], "metrics_across_ranks_us": []}
+    for r in range(args.repeats):
+        order = [("never_read", False), ("read_every_step", True)]
+        for label, read in order if r % 2 == 0 else order[::-1]:
+            runs[label].append(batches_per_second(spec, read, args.batches))
+        calls["metrics_us"].append(call_us(spec, False, 2000))
+        calls["metrics_across_ranks_us"].append(call_us(spec, True, 2000))
+    summary = {label: spread(values) for label, values in runs.items()}
+    call_summary = {label: spread(values) for label, values in calls.items()}
+    result = {
+        "environment": environment(),
+        "git": git_state(),
+        "load": load_average(),
+        "batch": [BATCH, SEQ + 1],
+        "workers": WORKERS,
+        "batches_per_run": args.batches,
+        "batches_per_second_runs": runs,
+        "batches_per_second": summary,
+        "call_us_runs": calls,
+        "call_us": call_summary,
+        "throughput_ratio": summary["read_every_step"]["median"] / summary["never_read"]["median"],
+    }
+    from provenance import write_results
+
+    write_results("bench_metrics", result, path=args.out, quick=args.quick)
+    print(f"{WORKERS} workers, micro-batch {BATCH} x {SEQ + 1}, {args.batches} batches, {args.repeats} runs each")
+    for label, sp in {**summary, **call_summary}.items():
+        print(f"  {label}: median {sp['median']:.1f} (min {sp['min']:.1f}, max {sp['max']:.1f})")
+    print(f"  throughput reading metrics every step / never: {result['throughput_ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
