@@ -50,6 +50,7 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_task_encoder.py": ["--quick"],
     "bench_fim.py": ["--quick"],
     "bench_metrics.py": ["--quick"],
+    "bench_loss_masks.py": ["--quick"],
     "bench_concurrent_open.py": [
         "--docs",
         "200000",
