@@ -250,3 +250,34 @@ def test_explain_shows_the_spans_with_loss(shards, packing):
         if masked_source and found.pieces:
             assert "loss on tokens" in found.text()
     assert seen == {True, False}
+
+
+def test_segments_preprocessed_to_s3_give_the_local_masks(tmp_path, monkeypatch):
+    """Both shards uploaded by --workers 2 to an S3 API server (moto), found there by the loader."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from s3_servers import moto_server, upload
+
+    rng = numpy.random.default_rng(9)
+    records = [{"text": [{"text": "q" * int(rng.integers(0, 30)), "loss": False},
+                         {"text": "a" * int(rng.integers(1, 30))}]}
+               for _ in range(120)] + [{"text": "plain web text"}] * 20  # fmt: skip
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "local"), append_eod=True, show_progress=False)
+    with moto_server() as server:
+        upload(server, "masks", {"empty": str(tmp_path / "in.jsonl")})
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        result = preprocess([str(tmp_path / "in.jsonl")], "s3://masks/tok/sft", append_eod=True, workers=2,
+                            chunk_bytes=900, show_progress=False)  # fmt: skip
+        assert result.loss_masks == {"text": "s3://masks/tok/sft_text_document_loss_mask"}
+        for packing in PACKINGS:
+            local = get_train_dataset(spec_for(tmp_path, packing, str(tmp_path / "local_text_document")), batch_size=2)
+            remote_spec = spec_for(tmp_path, packing, "s3://masks/tok/sft_text_document",
+                                   storage_options=server.options())  # fmt: skip
+            remote = get_train_dataset(remote_spec, batch_size=2)
+            for p in range(12):
+                a, b = local[p], remote[p]
+                numpy.testing.assert_array_equal(a["text"], b["text"])
+                numpy.testing.assert_array_equal(a["loss_mask"], b["loss_mask"])
+            assert 0 < float(b["loss_mask"].mean()) <= 1
