@@ -273,3 +273,38 @@ def test_the_megatron_helper_writes_at_log_interval_to_tensorboard_and_wandb(sha
     assert log_loader_metrics(SimpleNamespace(loader=None), 4, 2, writer=board) is None  # a receiving stage
     with pytest.raises(StatefulsetError, match="log_interval"):
         log_loader_metrics(loader, 4, 0, writer=board)
+
+
+def test_report_draws_shares_and_data_wait_from_metrics_lines_and_from_a_state(shards, tmp_path):
+    import json
+
+    import yaml
+
+    from statefulset.tools.cli import main
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(_spec(shards, tmp_path / "c"), sort_keys=False))
+    lines = []
+    loaders = [
+        get_savable_loader(
+            get_train_dataset(str(spec), batch_size=4, worker_config=WorkerConfig(rank=r, world_size=2, num_workers=0))
+        )
+        for r in range(2)
+    ]
+    iterators = [iter(loader) for loader in loaders]
+    for step in range(1, 16):  # 15 steps of 2 ranks x 4: positions [0, 120), across the stage change at 96
+        for rank, (loader, it) in enumerate(zip(loaders, iterators, strict=True)):
+            next(it)
+            lines.append(json.dumps({"step": step, "rank": rank, **loader.metrics()}))
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(lines) + "\n")
+    assert main(["report", str(metrics), "--spec", str(spec), "--out", str(tmp_path / "a")]) == 0
+    for name in ("shares.png", "data_wait.png"):
+        assert (tmp_path / "a" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    torch.save(loaders[0].save_state_rank(), tmp_path / "state.pt")
+    assert main(["report", str(tmp_path / "state.pt"), "--spec", str(spec), "--out", str(tmp_path / "b")]) == 0
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["shares.png"]
+
+    (tmp_path / "bad.jsonl").write_text('{"rank": 0}\n')
+    assert main(["report", str(tmp_path / "bad.jsonl"), "--spec", str(spec)]) == 2  # named: no int 'step'

@@ -91,6 +91,14 @@ def _inspect(args: argparse.Namespace) -> int:
     return status
 
 
+def _report(args: argparse.Namespace) -> int:
+    from statefulset.tools.metrics_report import report
+
+    for path in report(args.source, args.spec, args.out):
+        print(path)
+    return 0
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from statefulset.tools.prepare import prepare
 
@@ -249,6 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, help="shards checked and hashed at once (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_prepare)
+
+    p = sub.add_parser(
+        "report",
+        help="PNG plots: achieved vs target share per source, data wait per step by rank (docs/observability.md)",
+    )
+    p.add_argument("source", help="metrics lines (.jsonl: step, rank and loader.metrics()) or a saved loader state")
+    p.add_argument("--spec", required=True, help="the dataset spec (.yaml) the run trained on")
+    p.add_argument("--out", default=".", help="folder for shares.png and data_wait.png (default: here)")
+    p.set_defaults(run=_report)
 
     p = sub.add_parser("demo", help="run the main job on a built-in corpus (no downloads)")
     p.add_argument("--dir", default="statefulset-demo", help="where the demo writes its files")
