@@ -205,3 +205,37 @@ def test_a_mask_shard_that_does_not_match_is_refused_naming_both_files(tmp_path)
         loss_masks.open_mask(tokens)
     with pytest.raises(StatefulsetError, match=r"t_loss_mask\.idx does not match"):
         merge_datasets([tmp_path / "t"], tmp_path / "m")
+
+
+def test_ray_writes_the_masks_of_local_workers(tmp_path):
+    """Tasks without segment lists before and after ones with them, and a Parquet file of segments:
+    the mask parts (and ones for the parts without) merge into the bytes of --workers 1."""
+    pytest.importorskip("ray")
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    import os
+    import subprocess
+    import sys
+
+    plain = [{"text": f"plain text {i} " * (i % 7), "title": f"t{i}"} for i in range(400)]
+    seg = [{**r, "title": "x"} for r in segment_records(400, seed=11, plain_every=10**9)]
+    with open(tmp_path / "a.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in plain + seg[:200] + plain)
+    rows = [{"text": [{"text": s["text"], "loss": s.get("loss", True)} for s in r["text"]], "title": "y"}
+            for r in seg[200:]]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet", row_group_size=50)
+    inputs = [str(tmp_path / "a.jsonl"), str(tmp_path / "c.parquet")]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    run = subprocess.run(
+        [sys.executable, "-m", "statefulset", "preprocess", "--input", *inputs, "--output-prefix",
+         str(tmp_path / "ray"), "--json-keys", "text", "title", "--executor", "ray", "--task-bytes", "6000",
+         "--chunk-bytes", "2048", "--append-eod", "--quiet"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "text loss mask:" in run.stdout and "title loss mask" not in run.stdout
+    preprocess(inputs, str(tmp_path / "w1"), json_keys=("text", "title"), append_eod=True, show_progress=False)
+    for name in ("_text_document", "_text_document_loss_mask", "_title_document"):
+        assert same(str(tmp_path / ("ray" + name)), str(tmp_path / ("w1" + name)))
+    assert not (tmp_path / "ray_title_document_loss_mask.idx").exists()
+    assert not (tmp_path / "ray.parts").exists()

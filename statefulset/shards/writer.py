@@ -335,9 +335,24 @@ class IndexedDatasetWriter:
         )  # fmt: skip
         self._append_index(idx_path, arrays)
 
-    def _append_index(self, where: str, arrays: idx_format.IndexArrays) -> None:
+    def add_filled_index(self, idx_path: str, bin_size: int, value: int) -> None:
+        """Documents shaped as the shard whose index is ``idx_path`` (its ``.bin`` of ``bin_size`` bytes),
+        every token ``value``: the ones a part without a loss mask adds to a merged mask shard."""
+        self._check_open()
+        buffer = map_file(idx_path)
+        arrays = idx_format.decode_index(
+            buffer, idx_size=len(buffer), bin_size=bin_size, multimodal=False, path=idx_path,
+            bin_path=f"its .bin ({bin_size} bytes)",
+        )  # fmt: skip
+        tokens = int(arrays.sequence_lengths.sum(dtype=numpy.int64))
+        self._append_index(idx_path, arrays, check_dtype=False)
+        fill = numpy.full(max(min(tokens, _COPY_BYTES), 1), value, dtype=self.dtype)
+        for start in range(0, tokens, fill.size):
+            self._bin.write(fill[: min(fill.size, tokens - start)])
+
+    def _append_index(self, where: str, arrays: idx_format.IndexArrays, check_dtype: bool = True) -> None:
         """The index entries of a whole shard (``where``), after the sequences so far."""
-        if arrays.header.dtype != self.dtype:
+        if check_dtype and arrays.header.dtype != self.dtype:
             raise StatefulsetError(
                 f"{where}: dtype {arrays.header.dtype} differs from {self.dtype} of the merge into "
                 f"{self.path_prefix}; shards of different dtypes cannot be merged"

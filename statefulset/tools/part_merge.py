@@ -17,10 +17,10 @@ import json
 import logging
 from typing import Any
 
-from statefulset.shards import idx_format
+from statefulset.shards import idx_format, loss_masks
 from statefulset.shards.object_assembly import assemble
 from statefulset.shards.writer import IndexedDatasetWriter
-from statefulset.tools import locations
+from statefulset.tools import locations, segments
 from statefulset.tools import preprocess as local
 from statefulset.tools.locations import Folder, StagedOutput
 
@@ -55,6 +55,8 @@ class OrderedMerge:
         # Parts and outputs on the same S3 endpoint: the store copies the tokens itself.
         self.on_store = all(stores) and len({id(fs) for fs, _ in stores}) == 1  # type: ignore[misc]
         self.sources: dict[str, list[tuple[str, int]]] = {k: [] for k in self.writers}
+        # Mask shards: begun at the first part with one; merged here (1 byte a token) also on a store.
+        self.masks = segments.MaskOutputs(result.outputs)
         self.following = 0
         self._line_of: dict[str, int] = {}
 
@@ -78,6 +80,7 @@ class OrderedMerge:
         for key, writer in self.writers.items():
             result.tokens[key] = result.tokens.get(key, 0) + summary["tokens"][key]
             name = f"{part_name(number)}_{key}_document"
+            self._append_mask(key, name, key in summary.get("loss_masks", ()), summary["tokens"][key])
             if not self.on_store:
                 with self.parts.local_shard(name) as prefix:
                     writer.add_index(prefix)
@@ -86,6 +89,19 @@ class OrderedMerge:
             with self.parts.local_shard(name, (".idx",)) as prefix:
                 writer.add_index_only(prefix + ".idx", size)
             self.sources[key].append((self.parts.fs_path(name + ".bin"), size))
+
+    def _append_mask(self, key: str, name: str, has_mask: bool, tokens: int) -> None:
+        """The part's mask shard, or ones shaped as its tokens once an earlier part had one; called before
+        the part's tokens are appended (a new mask shard copies the shape of the tokens so far)."""
+        if not has_mask and key not in self.masks.writers:
+            return
+        writer = self.masks.writer(key, self.writers[key])
+        if has_mask:
+            with self.parts.local_shard(loss_masks.mask_prefix(name)) as prefix:
+                writer.add_index(prefix)
+            return
+        with self.parts.local_shard(name, (".idx",)) as prefix:
+            writer.add_filled_index(prefix + ".idx", tokens * self.itemsize, 1)
 
     def publish(self) -> None:
         """Every key's output, or (when one key's upload or assembly fails) none's staging left behind."""
@@ -96,6 +112,8 @@ class OrderedMerge:
             raise
 
     def _publish(self) -> None:
+        self.masks.publish()  # the masks before their tokens: never new tokens beside an old mask shard
+        self.result.loss_masks = {k: self.masks.prefixes[k] for k in self.masks.writers}
         for key, writer in self.writers.items():
             writer.close()
             if not self.on_store:
@@ -113,6 +131,7 @@ class OrderedMerge:
             )  # fmt: skip
 
     def abort(self) -> None:
+        self.masks.discard()
         for key, writer in self.writers.items():
             writer.abort()
             self.staged[key].discard()

@@ -31,7 +31,7 @@ from typing import Any
 
 from statefulset.errors import StatefulsetError
 from statefulset.shards.writer import IndexedDatasetWriter
-from statefulset.tools import fault_gate, locations
+from statefulset.tools import fault_gate, locations, segments
 from statefulset.tools import preprocess as local
 from statefulset.tools.locations import Folder, StagedOutput
 from statefulset.tools.part_merge import DONE, OrderedMerge, committed_numbers, part_name
@@ -152,16 +152,13 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
     parts = Folder(parts_path)
     staged = {k: StagedOutput(parts.join(f"{part_name(task.number)}_{k}_document")) for k in keys}
     writers = {k: IndexedDatasetWriter(staged[k].local, dtype) for k in keys}
+    masks = segments.MaskOutputs({k: parts.join(f"{part_name(task.number)}_{k}_document") for k in keys})
     summary: dict[str, Any] = {"documents": 0, "tokens": dict.fromkeys(keys, 0), "units": [], "bytes": 0}
     try:
         for chunk in _units(task, chunk_bytes):
             encoded = local._encode(chunk)
             for key, arrays in encoded.keys.items():
-                if arrays.loss_mask is not None:
-                    raise StatefulsetError(
-                        f"{local._describe_chunk(chunk)}: key {key!r} holds segment lists, whose loss-mask shard "
-                        "--executor ray does not write yet; use --executor local (--workers N)"
-                    )
+                masks.add(key, arrays, writers[key])  # first: a new mask part copies the token part's shape
                 writers[key].add_documents(
                     arrays.tokens, arrays.sequence_lengths, sequences_per_document=arrays.sequences_per_document
                 )
@@ -180,8 +177,15 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
             summary["bytes"] += chunk.nbytes
     except BaseException:
         locations.discard_all(writers, staged)
+        masks.discard()
+        raise
+    try:
+        masks.publish()
+    except BaseException:
+        locations.discard_all(writers, staged)
         raise
     locations.publish_all(writers, staged)
+    summary["loss_masks"] = sorted(masks.writers)  # the keys whose part has a mask shard
     summary["peak_rss"] = _peak_rss()
     summary["node"] = _node_id()
     parts.write_text(part_name(task.number) + DONE, json.dumps(summary))  # the part is committed

@@ -83,15 +83,20 @@ class MaskOutputs:
     def add(self, key: str, arrays: Any, token_writer: IndexedDatasetWriter) -> None:
         """One chunk's masks for ``key`` (``arrays.loss_mask`` None: no segment list in it); called before
         its tokens go to ``token_writer``, which then holds exactly the documents before this chunk."""
+        if key not in self.writers and arrays.loss_mask is None:
+            return
+        writer = self.writer(key, token_writer)
+        mask = numpy.ones(arrays.tokens.size, MASK_DTYPE) if arrays.loss_mask is None else arrays.loss_mask
+        writer.add_documents(mask, arrays.sequence_lengths, sequences_per_document=arrays.sequences_per_document)
+
+    def writer(self, key: str, token_writer: IndexedDatasetWriter) -> IndexedDatasetWriter:
+        """``key``'s mask writer; a new one first gets ones shaped as ``token_writer``'s documents so far."""
         writer = self.writers.get(key)
         if writer is None:
-            if arrays.loss_mask is None:
-                return
             self.staged[key] = locations.StagedOutput(self.prefixes[key])
             writer = self.writers[key] = IndexedDatasetWriter(self.staged[key].local, MASK_DTYPE)
             writer.add_shaped_like(token_writer, 1)
-        mask = numpy.ones(arrays.tokens.size, MASK_DTYPE) if arrays.loss_mask is None else arrays.loss_mask
-        writer.add_documents(mask, arrays.sequence_lengths, sequences_per_document=arrays.sequences_per_document)
+        return writer
 
     def discard(self) -> None:
         locations.discard_all(self.writers, self.staged)
