@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import os
 import sys
@@ -137,7 +138,9 @@ def main() -> int:
         "--deadline", default=None, help="UTC HH:MM after which no case starts (the JSON says how many ran)"
     )
     ap.add_argument("--rerun-findings", metavar="JSON", help="rerun the findings of a results file on this checkout")
-    ap.add_argument("--from-log", metavar="LOG", help="write --out from a run's log instead of running")
+    ap.add_argument(
+        "--from-log", metavar="LOG", nargs="+", help="write --out from runs' logs (one commit) instead of running"
+    )
     ap.add_argument("--seconds", type=float, default=0.0, help="with --from-log: how long that run took")
     ap.add_argument("--commit", default=None, help="with --from-log: the commit that run measured")
     args = ap.parse_args()
@@ -181,6 +184,7 @@ def write_report(args, cases: list[dict], results: list[dict], seconds: float) -
         "machine": benchenv.environment(),
         "versions": _versions(),
         "args": {"cases": args.cases, "first_seed": args.first_seed, "jobs": args.jobs, "timeout_s": args.timeout},
+        "seed_ranges": _ranges([c["seed"] for c in cases]),
         "seconds": round(seconds, 1),
         "tally": counts,
         "landed": sum(1 for c, r in zip(cases, results, strict=True) if c["fault"] != "none" and r.get("landed")),
@@ -205,12 +209,29 @@ def write_report(args, cases: list[dict], results: list[dict], seconds: float) -
     print(json.dumps(report["tally"], indent=1))
 
 
+def _ranges(seeds: list[int]) -> list[list[int]]:
+    """Sorted seeds as [first, last] runs of consecutive ones."""
+    out: list[list[int]] = []
+    for seed in sorted(seeds):
+        if out and seed == out[-1][1] + 1:
+            out[-1][1] = seed
+        else:
+            out.append([seed, seed])
+    return out
+
+
 def from_log(args) -> int:
-    """The results file of a run from its log (a run cut short, or one whose KNOWN list changed since)."""
+    """The results file of a run from its log (a run cut short, or one whose KNOWN list changed since), or
+    of several runs of the same commit over disjoint seed ranges (run side by side, or one after another)."""
     from campaign.known import known
 
-    with open(args.from_log) as f:
-        entries = sorted((json.loads(line) for line in f if line.strip()), key=lambda e: e["case"]["seed"])
+    entries = []
+    for path in args.from_log:  # several runs of one commit over other seeds add up (gzip or plain)
+        with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+            entries += [json.loads(line) for line in f if line.strip()]
+    entries.sort(key=lambda e: e["case"]["seed"])
+    if len({e["case"]["seed"] for e in entries}) != len(entries):
+        raise SystemExit("--from-log: a seed appears twice (give logs of disjoint seed ranges)")
     cases, results = [e["case"] for e in entries], [e["result"] for e in entries]
     for case, result in zip(cases, results, strict=True):
         result.pop("known", None)

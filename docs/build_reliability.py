@@ -44,10 +44,12 @@ def table(report: dict) -> str:
     lines.append(f"Findings: {t['known']} explained by the KNOWN list (fixes in progress), {t['new findings']} new.")
     groups: dict[tuple, list[int]] = {}
     for f in report["findings"]:
-        groups.setdefault((f["kind"], f["fault"], f["verdict"], f.get("known", "new")), []).append(f["seed"])
-    for (kind, fault, verdict, where), seeds in sorted(groups.items()):
+        again = f.get("rerun")
+        rerun = f"; run again at `{again['commit'][:12]}`: {again['verdict']}" if again else ""
+        groups.setdefault((f["kind"], f["fault"], f["verdict"], f.get("known", "new"), rerun), []).append(f["seed"])
+    for (kind, fault, verdict, where, rerun), seeds in sorted(groups.items()):
         shown = ", ".join(map(str, seeds[:5])) + (", ..." if len(seeds) > 5 else "")
-        lines.append(f"- {kind}, fault `{fault}`: {len(seeds)} {verdict} (seeds {shown}); {where}")
+        lines.append(f"- {kind}, fault `{fault}`: {len(seeds)} {verdict} (seeds {shown}); {where}{rerun}")
     return "\n".join(lines)
 
 
