@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 from collections import Counter
 
 import numpy
@@ -73,6 +74,13 @@ def test_per_source_counts_weights_and_epochs_follow_the_stream_across_a_stage_c
                 per_epoch = ds.stream.epoch_sizes[prefix]
                 assert m[f"source/{prefix}/epoch"] == pytest.approx(want.get(prefix, 0) / per_epoch)
     assert m["batches"] == 30 and m["tokens"] == 30 * 4 * SEQ and m["position"] == 120
+    waited = 0.0
+    while loader.metrics()["workers/ready_batches"] == 0 and waited < 120:  # the workers fill their slots
+        time.sleep(0.05)
+        waited += 0.05
+    ready = loader.metrics()["workers/ready_batches"]
+    ring = loader._options["meter"].ring
+    assert 0 < ready <= ring.workers * ring.slots * ring.bundle
     assert m["data_wait_seconds"] > 0
     assert m["source/" + shards["math"] + "/weight"] == pytest.approx(0.5)  # the second stage's mixture
     assert m["source/" + shards["web"] + "/weight"] == pytest.approx(0.2)
@@ -308,3 +316,17 @@ def test_report_draws_shares_and_data_wait_from_metrics_lines_and_from_a_state(s
 
     (tmp_path / "bad.jsonl").write_text('{"rank": 0}\n')
     assert main(["report", str(tmp_path / "bad.jsonl"), "--spec", str(spec)]) == 2  # named: no int 'step'
+
+
+def test_a_validation_loader_counts_over_its_passes(shards, tmp_path):
+    from statefulset import get_loader, get_val_dataset
+
+    spec = {**_spec(shards, tmp_path / "c"), "split": "80,20,0"}
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=1)
+    loader = get_loader(get_val_dataset(spec, batch_size=4, worker_config=wc))
+    first = sum(1 for _ in loader)
+    second = sum(1 for _ in loader)
+    m = loader.metrics()
+    assert first == second > 0 and m["batches"] == first + second
+    assert m["tokens"] == m["batches"] * 4 * SEQ
+    assert not any(k.startswith("source/") for k in m)  # one pass: no place in a training stream

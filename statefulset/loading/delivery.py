@@ -90,6 +90,7 @@ class Delivery:
         self.restarted = self.superseded = False
         self.in_process: InProcessSource | None = None
         self.meter: Meter = options["meter"]
+        self.meter.delivery = self
         if reuse is not None:
             self._resume(*reuse)
         else:
@@ -188,9 +189,19 @@ class Delivery:
             batch = pin(batch)
         return batch
 
+    def ready_batches(self) -> int:
+        """Batches built ahead and not handed out yet: the rest of the current bundle, then every ring
+        slot a worker has filled with a later bundle (its end stamp at or past the next batch)."""
+        ring = self.source.ring if self.workers else None
+        if ring is None:
+            return len(self.ready)
+        return len(self.ready) + ring.bundle * int((ring.stamps.numpy()[:, :, 1] >= self.next_t).sum())
+
     def _describe(self) -> str:
         """The awaited batch, for the watchdog and the stall report: worker, positions, files, oldest request."""
         text = describe_batch(self.source, self.next_t, self.workers)
+        if self.workers:
+            text += f"; batches ready in the workers' slots: {self.ready_batches()}"
         shards = [d.path_prefix for d in self.dataset.stream.shards]
         found = storage_stats.oldest(self.meter.storage_rows(), shards)
         if found is not None:

@@ -12,6 +12,8 @@ Everything is counted in the trainer process, once per batch, or derived when as
   live in a row of shared memory per DataLoader worker (the batch ring's ``stats``) plus the trainer's
   own; reading them sums a few small arrays, with no message to any worker, so it works while a
   worker is stuck too.
+- ``workers/ready_batches``: batches built ahead and waiting, from the ring's slot stamps (a queue
+  depth of 0 while the trainer waits says the workers are the bottleneck).
 
 ``across_ranks=True`` adds one all-gather of a float per DP rank (:func:`across_ranks`), after the
 ranks met within the loader's ``collective_timeout``. docs/observability.md says how to read them.
@@ -41,6 +43,7 @@ class Meter:
         self.restarts = 0  # DataLoader workers started again (statefulset.loading.worker_start)
         self.stalls = 0  # stall warnings logged (statefulset.loading.watchdog)
         self.ring: Any = None  # the current pass's batch ring (its workers' storage rows)
+        self.delivery: Any = None  # the current pass (statefulset.loading.delivery.Delivery)
         self._place: int | None = None
         self._sources: dict[str, float] = {}
         self._keys: list[tuple[str, ...]] | None = None  # each source's three keys, made once
@@ -96,6 +99,8 @@ def rank_metrics(meter: Meter, dataset: Any, position: int | None) -> dict[str, 
         "worker_restarts": float(meter.restarts),
         "stall_warnings": float(meter.stalls),
     }
+    if meter.delivery is not None:
+        out["workers/ready_batches"] = float(meter.delivery.ready_batches())
     if position is not None:
         out["position"] = float(position)
         out.update(meter.sources(dataset.stream, position))
