@@ -216,6 +216,7 @@ def test_single_process_stream_resume_from_dp2_and_state(spec):
     _check_stream(records, _expected_text(spec, 0, 0, 1, 3, 4), 0, 0, 0)
     assert records[0]["input_mask"].data_ptr() != records[0]["label_mask"].data_ptr()
     assert dl.consumed_train_samples == 12
+    assert dl.metrics()["batches"] == 4 and dl.metrics()["position"] == 12  # the input stage's loader
     state = dl.save_state_rank()
     fresh = build_nanotron_dataloader(spec, layout, micro_batch_size=3, n_micro_batches_per_batch=2)
     fresh.restore_state_rank(state)

@@ -192,6 +192,14 @@ class NanotronDataLoader:
 
     close = flush
 
+    def metrics(self) -> dict[str, float]:
+        """The loader's ``metrics()`` on the input stage, {} on the others (docs/observability.md).
+
+        For Nanotron's logger, in the trainer's ``train_step_logs``:
+        ``log_entries += [LogItem(f"data/{k}", v, "human_format") for k, v in dl.metrics().items()]``.
+        """
+        return self.loader.metrics() if self.loader is not None else {}
+
     # -- state ------------------------------------------------------------------------------------
     def save_state_rank(self) -> dict[str, Any]:
         """This rank's state: plain data; the input stage's includes its loader state (with the data fingerprint).
