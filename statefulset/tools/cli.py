@@ -15,6 +15,7 @@ from statefulset.errors import StatefulsetError
 
 def _preprocess(args: argparse.Namespace) -> int:
     from statefulset.shards.tokenizers import BYTES, TokenizerSpec
+    from statefulset.tools import chat
     from statefulset.tools.preprocess import preprocess
 
     spec = TokenizerSpec(args.tokenizer or BYTES, args.eod_token, not args.no_special_tokens)
@@ -26,6 +27,7 @@ def _preprocess(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "chunk_bytes": args.chunk_bytes,
         "show_progress": not args.quiet,
+        "chat": None if args.chat_template is None else chat.load(args.chat_template, tuple(args.loss_roles)),
     }
     if args.executor == "ray" and args.workers is not None:
         raise StatefulsetError("--workers applies to --executor local (with --executor ray, every CPU of Ray works)")
@@ -185,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-bad-lines", action="store_true", help="count and report malformed lines, go on")
     p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="input bytes per unit of work")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (Hugging Face format): a key holding [{role, content}, ...] becomes segments",
+    )
+    p.add_argument(
+        "--loss-roles", nargs="+", default=["assistant"], help="with --chat-template: the roles whose turns have loss"
+    )
     p.add_argument(
         "--executor",
         choices=("local", "ray"),

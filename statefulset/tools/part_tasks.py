@@ -342,6 +342,7 @@ def preprocess_ray(
     task_bytes: int | None = None,
     ray_address: str | None = None,
     show_progress: bool = True,
+    chat: Any = None,
 ) -> local.PreprocessResult:
     """``statefulset preprocess --executor ray``: see the module docstring."""
     if task_bytes is not None and task_bytes < 1:
@@ -352,10 +353,11 @@ def preprocess_ray(
     )
     parts = Folder(output_prefix + ".parts")
     arguments = {"keys": list(keys), "tokenizer": spec.fingerprint(), "append_eod": append_eod, "dtype": str(out_dtype),
-                 "chunk_bytes": chunk_bytes, "task_bytes": task_bytes}  # fmt: skip
+                 "chunk_bytes": chunk_bytes, "task_bytes": task_bytes,
+                 "chat_template": None if chat is None else chat.fingerprint()}  # fmt: skip
     wanted = _manifest(paths, arguments)
     # Each Ray task holds one CPU: the Rust tokenizer must not add threads of its own (as with --workers).
-    init_args = (spec.shipped(), keys, append_eod, out_dtype, True)  # nodes need not have the tokenizer file
+    init_args = (spec.shipped(), keys, append_eod, out_dtype, True, chat)  # nodes need not have the tokenizer file
     with ray_session(ray_address) as ray:
         cpus = int(ray.cluster_resources().get("CPU", 1))
         size = task_size(task_bytes, sum(locations.size(p) for p in paths), cpus)

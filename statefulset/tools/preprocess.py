@@ -29,6 +29,7 @@ from statefulset.shards import idx_format
 from statefulset.shards.tokenizers import TokenizerSpec
 from statefulset.shards.writer import IndexedDatasetWriter
 from statefulset.tools import fault_gate, locations, segments
+from statefulset.tools.chat import ChatRenderer, ChatSpec
 from statefulset.tools.key_arrays import KeyArrays, KeyTexts
 from statefulset.tools.progress import Progress
 from statefulset.tools.worker_pool import WorkerDied, ordered_map
@@ -215,19 +216,31 @@ _WORKER: dict = {}
 
 
 def _init_worker(
-    spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool, dtype: numpy.dtype, quiet_threads: bool
+    spec: TokenizerSpec,
+    keys: tuple[str, ...],
+    append_eod: bool,
+    dtype: numpy.dtype,
+    quiet_threads: bool,
+    chat: ChatSpec | None = None,
 ) -> None:
     if quiet_threads:
         # N worker processes already use the cores; the Rust tokenizer must not add threads.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER.update(tokenizer=spec.build(), keys=keys, append_eod=append_eod, dtype=dtype)
+    renderer = None if chat is None else ChatRenderer(chat)
+    _WORKER.update(tokenizer=spec.build(), keys=keys, append_eod=append_eod, dtype=dtype, chat=renderer)
 
 
 def setup_key(
-    spec: TokenizerSpec, keys: tuple[str, ...], append_eod: bool, dtype: numpy.dtype, quiet_threads: bool
+    spec: TokenizerSpec,
+    keys: tuple[str, ...],
+    append_eod: bool,
+    dtype: numpy.dtype,
+    quiet_threads: bool,
+    chat: ChatSpec | None = None,
 ) -> str:
-    """Everything a worker's setup depends on, the tokenizer file's bytes included."""
-    return repr((spec.fingerprint(), keys, append_eod, numpy.dtype(dtype).str, quiet_threads))
+    """Everything a worker's setup depends on, the tokenizer file's and the chat template's bytes included."""
+    template = None if chat is None else chat.fingerprint()
+    return repr((spec.fingerprint(), keys, append_eod, numpy.dtype(dtype).str, quiet_threads, template))
 
 
 def ensure_worker(init_args: tuple) -> None:
@@ -263,14 +276,14 @@ def _lines(chunk: _Chunk) -> list[bytes]:
     return lines
 
 
-def _texts_of(obj: object, keys: tuple[str, ...]) -> dict[str, segments.Value] | str:
+def _texts_of(obj: object, keys: tuple[str, ...], chat: ChatRenderer | None = None) -> dict[str, segments.Value] | str:
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
     out = {}
     for key in keys:
         if key not in obj:
             return f"missing key {key!r}"
-        value = segments.parse_value(obj[key], key)
+        value = segments.parse_value(obj[key], key, chat)
         if isinstance(value, str):
             return value
         out[key] = value
@@ -285,13 +298,13 @@ def _encode(chunk: _Chunk) -> _Encoded:
     lines: list = _rows(chunk, keys) if chunk.parquet else _lines(chunk)
     for number, raw in enumerate(lines):
         if chunk.parquet:
-            parsed = _texts_of(raw, keys)
+            parsed = _texts_of(raw, keys, _WORKER.get("chat"))
         elif not raw.strip():
             blank += 1
             continue
         else:
             try:
-                parsed = _texts_of(json.loads(raw), keys)
+                parsed = _texts_of(json.loads(raw), keys, _WORKER.get("chat"))
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
                 parsed = f"invalid JSON: {exc}"
         if isinstance(parsed, str):
@@ -401,8 +414,10 @@ def preprocess(
     dtype: object = None,
     chunk_bytes: int = 1 << 20,
     show_progress: bool = True,
+    chat: ChatSpec | None = None,
 ) -> PreprocessResult:
-    """Tokenise JSON lines into one bin/idx pair per key; see the module docstring."""
+    """Tokenise JSON lines into one bin/idx pair per key; see the module docstring. ``chat``
+    (:func:`statefulset.tools.chat.load`) renders conversations into segments."""
     if workers < 1:
         raise StatefulsetError(f"--workers must be at least 1, got {workers}")
     spec, paths, keys, out_dtype, result = setup(
@@ -412,7 +427,7 @@ def preprocess(
     writers = {k: IndexedDatasetWriter(staged[k].local, out_dtype) for k in keys}
     masks = segments.MaskOutputs(result.outputs)
     progress = Progress("preprocess", sum(locations.size(p) for p in paths), enabled=show_progress)
-    init_args = (spec, keys, append_eod, out_dtype, workers > 1)
+    init_args = (spec, keys, append_eod, out_dtype, workers > 1, chat)
     line_of: dict[str, int] = {}  # lines seen so far in each input, for file:line messages
     try:
         for chunk, encoded in _results(_chunks(paths, chunk_bytes, keys), workers, init_args):

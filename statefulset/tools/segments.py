@@ -35,8 +35,14 @@ class Value:
     segments: bool
 
 
-def parse_value(value: object, key: str) -> Value | str:
-    """A string, a list of strings, or a list of segments; else the reason it is refused."""
+def parse_value(value: object, key: str, chat: Any = None) -> Value | str:
+    """A string, a list of strings, a list of segments or (with ``chat``, a
+    :class:`~statefulset.tools.chat.ChatRenderer`) a conversation; else the reason it is refused."""
+    if chat is not None and isinstance(value, list) and value and isinstance(value[0], dict) and "role" in value[0]:
+        found = chat.segments(value, key)
+        if isinstance(found, str):
+            return found
+        return Value([t for t, _ in found], [loss for _, loss in found], True)
     if isinstance(value, str):
         return Value([value], [True], False)
     if not isinstance(value, list):
