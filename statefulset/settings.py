@@ -165,7 +165,8 @@ STORAGE_CALL_SECONDS = Setting(
     "STATEFULSET_STORAGE_CALL_SECONDS", 60.0, _positive_seconds, "a number of seconds > 0",
     "The longest one storage call of preprocessing waits (an upload, a download, a listing ...) before it "
     "counts as a transient timeout and is retried; uploads and downloads get one more second per 8 MiB "
-    "they move. Also the S3 client's connect and read timeouts where storage_options set none.",
+    "they move. Also the S3 clients' read timeout (s3fs: per socket read; obstore: per request) where "
+    "storage_options set none.",
 )  # fmt: skip
 STORAGE_MAX_REQUESTS = Setting(
     "STATEFULSET_STORAGE_MAX_REQUESTS", 32, _positive_int, "a whole number >= 1",

@@ -32,6 +32,16 @@ def test_config_kwargs_map_to_obstore_settings():
     assert not obstore_client.wanted(url, {"config_kwargs": {"s3": {"use_accelerate_endpoint": True}}})
 
 
+def test_the_read_timeout_defaults_to_the_storage_call_setting(monkeypatch):
+    """STATEFULSET_STORAGE_CALL_SECONDS is the S3 clients' read timeout where storage_options set none
+    (settings.py); obstore's was hard-wired to 60 s (seen: "timeout": "60s" with the setting at 7)."""
+    monkeypatch.setenv("STATEFULSET_STORAGE_CALL_SECONDS", "7")
+    _, client = obstore_client.client_settings({}, "http://127.0.0.1:9000")
+    assert client["timeout"] == "7s"
+    _, client = obstore_client.client_settings({"config_kwargs": {"read_timeout": 30}}, None)
+    assert client["timeout"] == "30s"  # storage_options still win
+
+
 def test_obstore_reads_go_through_the_proxy_config_kwargs_name(tmp_path, monkeypatch):
     """Failed on 5cf6a81: obstore ignored config_kwargs, so the reads bypassed the proxy."""
     monkeypatch.setenv("STATEFULSET_S3_CLIENT", "obstore")

@@ -93,7 +93,7 @@ def client_settings(options: dict[str, Any], endpoint: str | None) -> tuple[dict
     client = {
         "allow_http": bool(endpoint and endpoint.startswith("http://")),
         "connect_timeout": _seconds(kwargs.get("connect_timeout", 10)),
-        "timeout": _seconds(kwargs.get("read_timeout", 60)),
+        "timeout": _seconds(kwargs.get("read_timeout", settings.STORAGE_CALL_SECONDS.get())),
     }
     proxies = kwargs.get("proxies") or {}
     scheme = "http" if endpoint and endpoint.startswith("http://") else "https"
