@@ -483,3 +483,40 @@ def test_inter_document_masking_reaches_every_pipeline_stage(tmp_path):
                 if "loss_mask" in mine:
                     padded += int((mine["loss_mask"] == 0).sum())
     assert padded > 0  # bestfit's padding reached the last stage's loss_mask
+
+
+# -- real ranks: PP2 over a source with a loss-mask shard ---------------------------------------------
+def _ranks_masks(rank, world, init_file, spec, out):
+    import torch.distributed as dist
+
+    init_rank(rank, world, init_file)
+    layout = ParallelLayout(world, tp=1, pp=2)
+    groups = create_parallel_groups(layout, ("dp", "tp", "pp"), backend="gloo")
+    data = build_megatron_iterators(spec, layout, rank, micro_batch_size=B, batch_config=CFG, num_workers=0,
+                                    groups=groups, valid=False, test=False)  # fmt: skip
+    torch.save([_snapshot(data.get_batch()) for _ in range(3)], f"{out}/masks-{rank}.pt")
+    data.flush()
+    dist.barrier()
+
+
+def test_loss_masks_reach_the_last_pipeline_stage(tmp_path):
+    """The first stage reads the mask shard; the last stage's loss_mask is gpt_batch's times ours (before,
+    the link carried loss_mask only for packing bestfit, so the prompts' labels kept loss 1 there)."""
+    prefix = str(tmp_path / "sft")
+    rng = numpy.random.default_rng(6)
+    with (
+        IndexedDatasetWriter(prefix, numpy.uint16) as tokens,
+        IndexedDatasetWriter(prefix + "_loss_mask", numpy.uint8) as mask,
+    ):
+        for _ in range(120):
+            prompt, answer = int(rng.integers(1, SEQ)), int(rng.integers(1, SEQ))
+            tokens.add_document(rng.integers(0, 1000, prompt + answer))
+            mask.add_document(numpy.r_[numpy.zeros(prompt, numpy.uint8), numpy.ones(answer, numpy.uint8)])
+    spec = {"data_path": prefix, "seq_length": SEQ, "split": "1", "packing": "native"}
+    spawn(_ranks_masks, 2, tmp_path, spec, str(tmp_path))
+    loader = get_savable_loader(get_train_dataset(spec, batch_size=B))
+    expected = [gpt_batch(b["text"], CFG, b) for _, b in zip(range(3), loader, strict=False)]
+    got = torch.load(tmp_path / "masks-1.pt")  # rank 1: the last stage
+    for mine, want in zip(got, expected, strict=True):
+        assert torch.equal(mine["loss_mask"], want["loss_mask"]) and torch.equal(mine["labels"], want["labels"])
+    assert sum(int((m["loss_mask"] == 0).sum()) for m in got) > 0
