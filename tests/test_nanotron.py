@@ -15,7 +15,14 @@ import pytest
 import torch
 from ranks import init_rank, spawn
 
-from statefulset import IndexedDatasetWriter, ParallelLayout, StatefulsetError, create_parallel_groups, open_stream
+from statefulset import (
+    IndexedDatasetWriter,
+    ParallelLayout,
+    StatefulsetError,
+    create_parallel_groups,
+    get_train_dataset,
+    open_stream,
+)
 from statefulset.integrations.nanotron.batch import NANOTRON_KEYS, TensorPointer, clm_micro_batch
 from statefulset.integrations.nanotron.context import layout_from_parallel_context
 from statefulset.integrations.nanotron.dataloader import build_nanotron_dataloader
@@ -383,3 +390,26 @@ def test_position_ids_format_equals_nanotrons_collator(tmp_path, packing):
         for key, value in expected.items():
             assert batch[key].dtype == torch.from_numpy(value).dtype, key
             numpy.testing.assert_array_equal(batch[key].numpy(), value, err_msg=key)
+
+
+@pytest.mark.parametrize("packing", ["native", "bestfit"])
+def test_label_mask_takes_the_loss_mask_shard(tmp_path, packing):
+    """A source with a loss-mask shard: label_mask is False on the labels of loss=false segments (and padding)."""
+    prefix = str(tmp_path / "sft")
+    rng = numpy.random.default_rng(3)
+    with (
+        IndexedDatasetWriter(prefix, numpy.uint16) as tokens,
+        IndexedDatasetWriter(prefix + "_loss_mask", numpy.uint8) as mask,
+    ):
+        for _ in range(200):
+            prompt, answer = int(rng.integers(1, 12)), int(rng.integers(1, 12))
+            tokens.add_document(rng.integers(0, 1000, prompt + answer))
+            mask.add_document(numpy.r_[numpy.zeros(prompt, numpy.uint8), numpy.ones(answer, numpy.uint8)])
+    spec = {"data_path": prefix, "seq_length": 32, "split": "1", "packing": packing}
+    dl = build_nanotron_dataloader(spec, ParallelLayout(1), micro_batch_size=4)
+    ds = get_train_dataset(spec, batch_size=4)
+    for step in range(3):
+        batch = next(dl)
+        want = numpy.stack([ds[p]["loss_mask"] for p in range(step * 4, step * 4 + 4)]) != 0
+        numpy.testing.assert_array_equal(batch["label_mask"].numpy(), want)
+        assert not want.all()
