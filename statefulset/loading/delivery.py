@@ -11,6 +11,7 @@ without a fork.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -90,7 +91,9 @@ class Delivery:
         self.restarted = self.superseded = False
         self.in_process: InProcessSource | None = None
         self.meter: Meter = options["meter"]
-        self.meter.delivery = self
+        # Weakly: a strong reference made a cycle (delivery -> meter -> delivery) that kept a dropped
+        # loader's persistent workers alive until a garbage collection.
+        self.meter.delivery = weakref.ref(self)
         if reuse is not None:
             self._resume(*reuse)
         else:

@@ -43,7 +43,7 @@ class Meter:
         self.restarts = 0  # DataLoader workers started again (statefulset.loading.worker_start)
         self.stalls = 0  # stall warnings logged (statefulset.loading.watchdog)
         self.ring: Any = None  # the current pass's batch ring (its workers' storage rows)
-        self.delivery: Any = None  # the current pass (statefulset.loading.delivery.Delivery)
+        self.delivery: Any = None  # a weak reference to the current pass (loading.delivery.Delivery)
         self._place: int | None = None
         self._sources: dict[str, float] = {}
         self._keys: list[tuple[str, ...]] | None = None  # each source's three keys, made once
@@ -99,8 +99,9 @@ def rank_metrics(meter: Meter, dataset: Any, position: int | None) -> dict[str, 
         "worker_restarts": float(meter.restarts),
         "stall_warnings": float(meter.stalls),
     }
-    if meter.delivery is not None:
-        out["workers/ready_batches"] = float(meter.delivery.ready_batches())
+    delivery = meter.delivery() if meter.delivery is not None else None
+    if delivery is not None:
+        out["workers/ready_batches"] = float(delivery.ready_batches())
     if position is not None:
         out["position"] = float(position)
         out.update(meter.sources(dataset.stream, position))
