@@ -33,6 +33,11 @@ from statefulset.parallel.exchange import all_gather_floats
 from statefulset.shards import storage_stats
 from statefulset.streams.standing import weights_at
 
+_CUMULATIVE = [
+    storage_stats.REQUESTS, storage_stats.BYTES, storage_stats.RETRIES, storage_stats.FAILURES,
+    storage_stats.AHEAD_TAKEN, storage_stats.AHEAD_READY, *range(storage_stats.FIRST_BUCKET, storage_stats.WIDTH),
+]  # fmt: skip
+
 
 class Meter:
     """The trainer's counts for one loader, over all its passes and worker restarts."""
@@ -51,6 +56,9 @@ class Meter:
         self._weights: dict[int, list[float]] = {}  # normalised weights by stage
         self._storage_key = b""
         self._storage: dict[str, float] = {}
+        # The trainer's own row counts for the whole process (other loaders, earlier ones): this
+        # loader reports what was counted since it was made (in-flight and oldest are instantaneous).
+        self._base = storage_stats.row().copy()
 
     def sources(self, stream: Any, position: int) -> dict[str, float]:
         """``source/{prefix}/...`` at ``position``, recomputed only when the position moved."""
@@ -76,6 +84,7 @@ class Meter:
     def storage(self) -> dict[str, float]:
         """The storage counters of the trainer and the current pass's workers, summed (cached while unchanged)."""
         total = storage_stats.row().copy()
+        total[_CUMULATIVE] -= self._base[_CUMULATIVE]
         if self.ring is not None:
             total += self.ring.stats.numpy().sum(axis=0)
         key = total.tobytes()
