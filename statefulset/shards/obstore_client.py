@@ -65,7 +65,8 @@ def wanted(url: str, storage_options: dict[str, Any] | None) -> bool:
     return True
 
 
-def _endpoint(options: dict[str, Any]) -> str | None:
+def endpoint(options: dict[str, Any]) -> str | None:
+    """The S3 endpoint botocore uses for these options: theirs, else AWS_ENDPOINT_URL[_S3]."""
     return (
         options.get("endpoint_url")
         or (options.get("client_kwargs") or {}).get("endpoint_url")
@@ -117,10 +118,10 @@ def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
         (options.get("client_kwargs") or {}).get("region_name") or session.get_config_variable("region") or "us-east-1"
     )
     config: dict[str, Any] = {"region": region}
-    endpoint = _endpoint(options)
-    if endpoint:
-        config["endpoint"] = endpoint
-    extra_config, client_options = client_settings(options, endpoint)
+    found = endpoint(options)
+    if found:
+        config["endpoint"] = found
+    extra_config, client_options = client_settings(options, found)
     config.update(extra_config)
     provider = None
     if options.get("anon"):

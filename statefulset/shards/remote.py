@@ -63,6 +63,13 @@ def client_options(url: str, storage_options: dict[str, Any] | None) -> dict[str
         config.setdefault("connect_timeout", 10)
         config.setdefault("read_timeout", settings.STORAGE_CALL_SECONDS.get())
         options["config_kwargs"] = config
+        # The endpoint botocore would take from the environment, named in the options: fsspec keeps
+        # one filesystem per set of options, and one made under another AWS_ENDPOINT_URL (an earlier
+        # test's server, gone) was handed back for this one.
+        client = dict(options.get("client_kwargs") or {})
+        endpoint = obstore_client.endpoint(options)
+        if endpoint and not options.get("endpoint_url") and not client.get("endpoint_url"):
+            options["client_kwargs"] = {**client, "endpoint_url": endpoint}
     return options
 
 
