@@ -51,6 +51,7 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_fim.py": ["--quick"],
     "bench_metrics.py": ["--quick"],
     "bench_loss_masks.py": ["--quick"],
+    "bench_torchtitan.py": ["--quick"],
     "bench_concurrent_open.py": [
         "--docs",
         "200000",
