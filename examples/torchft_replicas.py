@@ -1,0 +1,408 @@
+"""Live elasticity with torchft: replica groups killed and restarted mid-run, every sample trained exactly once.
+
+Runs with no arguments on CPU (docs/torchft.md). It starts torchft's lighthouse on loopback and 3
+replica groups as processes (one rank each, gloo, gradients averaged by ``manager.allreduce`` over a tiny model, a
+``FaultTolerantLoader`` with 1 DataLoader worker), then, while they train for 60 steps:
+
+1. SIGKILLs replica 1 in the middle of a step (after it took its batch, before the commit);
+2. makes every replica's commit fail once (``manager.report_error`` before ``should_commit``);
+3. starts replica 1 again, which heals from its peers and joins.
+
+Each replica logs, for every step it runs, the replica-batch it was served (``loader.last``), the
+sample ids it got, and whether its commit went through. The verdict: every replica-batch below the
+committed frontier ``batches_committed()`` was consumed by exactly one committed step, with the
+sample ids the layout puts there; the failed step's replica-batches were served again. Prints one
+verdict line and exits 1 otherwise.
+
+A replica group alone (what a job launcher starts, once per replica group)::
+
+    python examples/torchft_replicas.py --replica 0 --lighthouse http://HOST:29510 --spec dataset.yaml \\
+        --steps 1000 --log replica0.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+
+BATCH = 4  # rows per rank of a replica group
+WAIT = 120.0  # the longest any wait of the harness lasts (seconds); each names what it waited for
+
+
+# -- one replica group --------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the harness that started it ends (Linux), and watch for it elsewhere."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):  # absent, or being written
+        return None
+
+
+def _gate(path: str, step: int) -> None:
+    """Wait here, mid-step, until the harness SIGKILLs this process (so the kill always lands here)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(str(step))
+    os.replace(path + ".tmp", path)
+    time.sleep(WAIT)
+    raise SystemExit(f"replica gated at {path} was not killed within {WAIT:g} s")
+
+
+def _hold(control: str, step: int) -> None:
+    """Before a step at or past the harness's hold step, wait until the harness lifts the hold."""
+    hold = os.path.join(control, "hold")
+    first = _read_int(hold)
+    if first is None or step < first:
+        return
+    deadline = time.monotonic() + WAIT
+    while os.path.exists(hold):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the harness did not lift {hold} within {WAIT:g} s")
+        time.sleep(0.01)
+
+
+def replica(args: argparse.Namespace) -> None:
+    """One replica group (one rank): data parallel over a tiny model with torchft, fed by a FaultTolerantLoader."""
+    _die_with_parent()
+    import torch
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+
+    from statefulset import WorkerConfig, get_train_dataset
+    from statefulset.integrations.torchft import FaultTolerantLoader
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # every replica starts from the same weights
+    model = torch.nn.Linear(args.seq_length, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), optimizer.load_state_dict(sd["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
+        min_replica_size=2,  # a majority of the 3 replica groups: no two quorums at once (split brain)
+        replica_id=f"replica_{args.replica}",
+        lighthouse_addr=args.lighthouse,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        hostname="127.0.0.1",
+        timeout=timedelta(seconds=30),
+        quorum_timeout=timedelta(seconds=WAIT),
+        connect_timeout=timedelta(seconds=30),
+        init_sync=False,  # the same seed gives every replica the same weights: no weight sync at step 0
+    )
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=args.workers)  # rank and size within the replica group
+    loader = FaultTolerantLoader(get_train_dataset(args.spec, batch_size=BATCH, worker_config=wc), manager)
+    log = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.write(log, (json.dumps({"event": "ready", "replica": args.replica, "pid": os.getpid()}) + "\n").encode())
+    kill = os.path.join(args.control, f"kill-{args.replica}")
+    failed_once = False
+    while manager.current_step() < args.steps:
+        _hold(args.control, manager.current_step())
+        manager.start_quorum()
+        batch = next(loader)
+        served = loader.last._asdict()
+        record = {
+            "replica": args.replica,
+            "pid": os.getpid(),
+            "t": time.time(),
+            **served,
+            "ids": batch["sample_id"].tolist(),
+        }
+        os.write(log, (json.dumps({"event": "served", **record}) + "\n").encode())
+        kill_at = _read_int(kill)
+        if kill_at is not None and served["counted"] and served["step"] >= kill_at:
+            _gate(kill + ".gate", served["step"])
+        text = batch["text"].float() / 256
+        loss = torch.nn.functional.mse_loss(model(text[:, :-1]).squeeze(1), text[:, -1])
+        loss.backward()
+        for p in model.parameters():  # data parallelism across the replica groups: the mean gradient
+            manager.allreduce(p.grad).wait()  # zeroed on a replica that is not participating
+        injected = args.fail_commit_at == served["step"] and not failed_once
+        if injected:
+            failed_once = True
+            manager.report_error(RuntimeError(f"commit made to fail at step {served['step']}"))
+        committed = manager.should_commit()
+        if committed:
+            optimizer.step()
+        optimizer.zero_grad()
+        outcome = {"replica": args.replica, "pid": os.getpid(), "step": served["step"], "committed": committed,
+                   "injected": injected,
+                   "batches_committed": manager.batches_committed()}  # fmt: skip
+        os.write(log, (json.dumps({"event": "commit", **outcome}) + "\n").encode())
+    os.close(log)
+    manager.shutdown(wait=False)
+
+
+# -- the verdict -----------------------------------------------------------------------------------------
+
+
+def attempts(records: list[dict]) -> list[tuple[dict, dict | None]]:
+    """Each served record with the commit record that followed it in the same process (None: killed first)."""
+    out, open_serves = [], {}
+    for r in records:
+        key = (r["replica"], r["pid"])
+        if r["event"] == "served":
+            if key in open_serves:
+                out.append((open_serves[key], None))
+            open_serves[key] = r
+        elif key in open_serves:
+            out.append((open_serves.pop(key), r))
+    out.extend((served, None) for served in open_serves.values())
+    return out
+
+
+def check_exactly_once(records: list[dict], batch_size: int = BATCH, group_size: int = 1) -> dict:
+    """Raise AssertionError unless every replica-batch below the committed frontier was consumed by
+    exactly one committed step, with the sample ids the layout puts there; return a summary.
+
+    A committed step with ``k`` participants starting at ``C = batches_committed()`` consumes
+    replica-batches ``C .. C+k-1``, one per participant; the steps must tile ``0 .. frontier``.
+    """
+    pairs = attempts(records)
+    steps: dict[int, tuple[int, int]] = {}  # committed step -> (batches_committed before it, participants)
+    frontier = 0
+    for served, outcome in pairs:
+        n = served["replica_batch"]
+        first = n * group_size * batch_size  # rank 0 of the group (these replica groups have one rank)
+        assert served["ids"] == list(range(first, first + batch_size)), f"wrong rows for replica-batch {n}: {served}"
+        if outcome is None or not outcome["committed"]:
+            continue
+        s, place = served["step"], (served["committed_before"], served["participants"])
+        assert steps.setdefault(s, place) == place, f"step {s} committed in two quorums: {steps[s]} and {place}"
+        assert outcome["batches_committed"] == sum(place), f"the commit of step {s} moved the frontier oddly"
+        frontier = max(frontier, outcome["batches_committed"])
+    edge = 0
+    for s in sorted(steps):
+        before, k = steps[s]
+        assert before == edge, f"step {s} began at replica-batch {before} with the frontier at {edge}: lost or repeated"
+        edge = before + k
+    assert edge == frontier, f"the committed steps end at replica-batch {edge}, the managers say {frontier}"
+    served_at = {(a["step"], a["committed_before"], a["participants"], a["replica_batch"]): a for a, _ in pairs}
+    zeroed = []
+    for s, (before, k) in steps.items():
+        for n in range(before, before + k):
+            a = served_at.get((s, before, k, n))
+            assert a is not None, f"replica-batch {n} of committed step {s} was served to no participant"
+            if not a["counted"]:
+                zeroed.append(n)  # counted by torchft, gradients zeroed (init_sync at step 0)
+    return {"steps": len(steps), "frontier": frontier, "samples": frontier * group_size * batch_size,
+            "zeroed": sorted(zeroed)}  # fmt: skip
+
+
+def read_logs(folder: str) -> list[dict]:
+    records = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(folder, name)) as f:
+                records.extend(json.loads(line) for line in f if line.strip())
+    return records
+
+
+# -- the harness ------------------------------------------------------------------------------------------
+
+
+class Run:
+    """A lighthouse on loopback and replica groups as child processes; every wait bounded and named.
+
+    The harness steers the replicas through files in ``control/``: ``kill-<replica>`` (a step: the
+    replica stops mid-step at its first counted step from there, at a gate, and the harness
+    SIGKILLs it there) and ``hold`` (a step: replicas wait before it until the file is removed, so
+    the survivors cannot finish the run before a restarted replica has joined).
+    """
+
+    def __init__(self, folder: str, spec: str, steps: int, fail_commit_at: int | None = None, workers: int = 1) -> None:
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO otherwise
+        from torchft.coordination import LighthouseServer
+
+        self.folder, self.spec, self.steps, self.workers = folder, spec, steps, workers
+        self.fail_commit_at = fail_commit_at
+        self.control = os.path.join(folder, "control")
+        os.makedirs(self.control, exist_ok=True)
+        # min_replicas 2 of 3: a majority, so two quorums never commit the same step (split brain).
+        self.lighthouse = LighthouseServer(
+            bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=1500
+        )
+        self.processes: dict[int, subprocess.Popen] = {}
+        self.kills: list[tuple[int, int]] = []  # (replica, step it was killed in)
+
+    def log(self, replica: int) -> str:
+        return os.path.join(self.folder, f"replica{replica}.jsonl")
+
+    def start(self, replica: int) -> None:
+        command = [sys.executable, os.path.abspath(__file__), "--replica", str(replica),
+                   "--lighthouse", self.lighthouse.address(), "--spec", self.spec, "--steps", str(self.steps),
+                   "--log", self.log(replica), "--control", self.control, "--workers", str(self.workers)]  # fmt: skip
+        if self.fail_commit_at is not None:
+            command += ["--fail-commit-at", str(self.fail_commit_at)]
+        with open(os.path.join(self.folder, f"replica{replica}.out"), "a") as out:
+            self.processes[replica] = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+    def committed_step(self) -> int:
+        """The highest step any replica committed so far (-1: none)."""
+        done = [r["step"] for r in read_logs(self.folder) if r["event"] == "commit" and r["committed"]]
+        return max(done, default=-1)
+
+    def ready(self, replica: int) -> bool:
+        """Whether the replica's current process has built its manager and loader."""
+        pid = self.processes[replica].pid
+        return any(r["event"] == "ready" and r["pid"] == pid for r in read_logs(self.folder))
+
+    def wait_for(self, what: str, ready) -> None:
+        deadline = time.monotonic() + WAIT
+        while not ready():
+            for replica, p in self.processes.items():
+                if p.poll() not in (None, 0, -signal.SIGKILL):
+                    raise AssertionError(f"replica {replica} failed (exit {p.returncode}) while waiting for {what}:\n"
+                                         + self.output(replica))  # fmt: skip
+            if time.monotonic() > deadline:
+                raise AssertionError(f"waited {WAIT:g} s for {what}")
+            time.sleep(0.02)
+
+    def _write(self, name: str, value: int) -> None:
+        path = os.path.join(self.control, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(value))
+        os.replace(path + ".tmp", path)
+
+    def kill_and_restart(self, replica: int, at_step: int) -> int:
+        """SIGKILL ``replica`` mid-step at its first counted step from ``at_step``; let the others commit
+        two steps without it; start it again and let it join. Returns the step it was killed in."""
+        kill = os.path.join(self.control, f"kill-{replica}")
+        self._write(f"kill-{replica}", at_step)
+        self.wait_for(f"replica {replica} to stop at its kill gate (step {at_step} or later)",
+                      lambda: os.path.exists(kill + ".gate"))  # fmt: skip
+        gated = _read_int(kill + ".gate")
+        self._write("hold", gated + 3)  # the others wait before step gated+3 until the restart joined
+        p = self.processes[replica]
+        p.kill()
+        p.wait(timeout=WAIT)
+        os.remove(kill)
+        os.remove(kill + ".gate")
+        self.kills.append((replica, gated))
+        self.wait_for(f"the others to commit step {gated + 2} without replica {replica}",
+                      lambda: self.committed_step() >= gated + 2)  # fmt: skip
+        self.start(replica)
+        self.wait_for(f"replica {replica} to start again", lambda: self.ready(replica))
+        os.remove(os.path.join(self.control, "hold"))
+        return gated
+
+    def finish(self) -> None:
+        """Wait for every replica to end after the last step (bounded), then stop the lighthouse."""
+        try:
+            self.wait_for(f"every replica to finish {self.steps} steps",
+                          lambda: all(p.poll() is not None for p in self.processes.values()))  # fmt: skip
+            bad = {r: p.returncode for r, p in self.processes.items() if p.returncode != 0}
+            assert not bad, f"replicas ended badly: {bad}\n" + "\n".join(self.output(r) for r in bad)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for p in self.processes.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=WAIT)
+        self.lighthouse.shutdown()
+
+    def output(self, replica: int) -> str:
+        with open(os.path.join(self.folder, f"replica{replica}.out")) as f:
+            return f.read()[-4000:]
+
+
+def story(folder: str, spec: str, steps: int = 60, kills: int = 1, seed: int = 0, workers: int = 1) -> dict:
+    """Three replica groups; ``kills`` times a random one killed mid-step and restarted; one commit
+    made to fail on every replica. Raises AssertionError unless the run was exactly once."""
+    rng = random.Random(seed)
+    fail_at = rng.randrange(steps // 2, steps * 2 // 3)
+    run = Run(folder, spec, steps, fail_commit_at=fail_at, workers=workers)
+    try:
+        for replica in range(3):
+            run.start(replica)
+        at = 0
+        for _ in range(kills):
+            at = rng.randrange(at + 5, at + 5 + (steps * 2 // 5 - at) // 2)
+            at = run.kill_and_restart(rng.randrange(3), at)
+    except BaseException:
+        run.close()
+        raise
+    run.finish()
+    records = read_logs(folder)
+    summary = check_exactly_once(records)
+    failed = [(s, o) for s, o in attempts(records) if o is not None and o["injected"]]
+    assert failed and not any(o["committed"] for _, o in failed), (
+        f"the commit made to fail at step {fail_at} went through"
+    )
+    # The failed step was committed later from the same frontier: its replica-batches served again.
+    steps = {s["step"]: s["committed_before"] for s, o in attempts(records) if o is not None and o["committed"]}
+    for served, _ in failed:
+        assert steps.get(served["step"]) == served["committed_before"], "a failed step was not served again"
+    assert not summary["zeroed"], f"replica-batches counted with zeroed gradients: {summary['zeroed']}"
+    healing = sum(1 for s, _ in attempts(records) if not s["counted"])
+    return {**summary, "kills": run.kills, "failed_commit_at": fail_at, "healing_steps": healing}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replica", type=int, help="run one replica group with this id")
+    parser.add_argument("--lighthouse", help="the lighthouse's address")
+    parser.add_argument("--spec", help="dataset spec (YAML)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--log", help="JSON lines: what this replica was served and committed")
+    parser.add_argument("--workers", type=int, default=1, help="DataLoader workers of the replica")
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--control", help="the harness's control folder (kill and hold files)")
+    parser.add_argument("--fail-commit-at", type=int, help="report an error before the commit of this step, once")
+    args = parser.parse_args()
+    if args.replica is not None:
+        replica(args)
+        return
+    from statefulset.tools.demo import demo_spec
+
+    with tempfile.TemporaryDirectory() as folder:
+        spec = demo_spec(os.path.join(folder, "corpus"), documents=600)
+        logs = os.path.join(folder, "logs")
+        os.makedirs(logs)
+        try:
+            summary = story(logs, spec, steps=args.steps)
+        except AssertionError as exc:
+            print(f"torchft_replicas: FAILED: {exc}")
+            sys.exit(1)
+    print(
+        f"torchft_replicas: OK: 3 replica groups, replica {summary['kills'][0][0]} killed in step "
+        f"{summary['kills'][0][1]} and healed, "
+        f"the commit of step {summary['failed_commit_at']} failed and was served again; {summary['steps']} "
+        f"committed steps consumed replica-batches 0..{summary['frontier'] - 1} exactly once"
+    )
+
+
+if __name__ == "__main__":
+    main()
