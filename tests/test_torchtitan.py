@@ -229,3 +229,30 @@ def test_torchtitans_own_loader_state_is_refused_by_name(spec, tmp_path):
     loader = _build(StatefulsetDataLoader.Config(dataset=spec, num_workers=0))
     with pytest.raises(StatefulsetError, match=r"not a statefulset torchtitan loader state \(no key 'dp_rank_0'"):
         loader.load_state_dict({"world_size": 1, "dp_rank_1": b""})
+
+
+def _tensor_parallel(rank, world, init_file, spec, folders) -> None:
+    """DP 2 x TP 2: global ranks 2r and 2r+1 are DP rank r. In the second job one TP peer draws a batch too many."""
+    init_rank(rank, world, init_file)
+    for folder, extra in zip(folders, (False, rank == 3), strict=True):
+        model = torch.nn.Linear(SEQ, SEQ)
+        loader = _build(StatefulsetDataLoader.Config(dataset=spec, num_workers=0), 2, rank // 2)
+        manager, optimizers, state = _checkpointer(folder, loader, model)
+        if extra:
+            next(iter(loader))
+        _train(loader, manager, optimizers, state, model, 2)
+
+
+def test_tensor_parallel_peers_save_one_state_per_dp_rank_and_must_agree(spec, tmp_path):
+    """A checkpoint of 4 ranks (DP 2 x TP 2) resumes in one process; peers that drew differently are refused."""
+    folders = [str(tmp_path / "agree"), str(tmp_path / "disagree")]
+    spawn(_tensor_parallel, 4, tmp_path, spec, folders)
+    loader = _build(StatefulsetDataLoader.Config(dataset=spec, num_workers=0))
+    manager, _, state = _checkpointer(folders[0], loader, torch.nn.Linear(SEQ, SEQ))
+    manager.load()
+    assert state.step == 2 and loader.consumed_samples == 8  # 2 steps x DP 2 x batch 2
+    assert torch.equal(next(iter(loader))[0]["input"], _text(spec, 8, 2)[:, :-1])
+    loader = _build(StatefulsetDataLoader.Config(dataset=spec, num_workers=0))
+    manager, _, _ = _checkpointer(folders[1], loader, torch.nn.Linear(SEQ, SEQ))
+    with pytest.raises(StatefulsetError, match=r"global ranks 2 and 3 \(both DP rank 1\) saved different states"):
+        manager.load()
