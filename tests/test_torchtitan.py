@@ -49,17 +49,18 @@ def _text(spec: str, first: int, count: int) -> torch.Tensor:
 
 
 def test_batches_are_torchtitans_input_dict_and_labels(spec):
-    loader = _build(StatefulsetDataLoader.Config(dataset=spec, num_workers=0), batch=3)
+    loader = _build(StatefulsetDataLoader.Config(dataset=spec, num_workers=0, document_boundaries=False), batch=3)
     inputs, labels = next(iter(loader))
-    assert list(inputs) == ["input"]
+    assert sorted(inputs) == ["input", "positions"]
+    assert torch.equal(inputs["positions"], torch.arange(SEQ).expand(3, SEQ))  # one document per row
     text = _text(spec, 0, 3)
     assert inputs["input"].dtype == labels.dtype == torch.int64
     assert torch.equal(inputs["input"], text[:, :-1]) and torch.equal(labels, text[:, 1:])
 
 
-def test_document_boundaries_add_positions_and_bestfit_padding_is_ignored(tmp_path):
+def test_positions_follow_documents_and_bestfit_padding_is_ignored(tmp_path):
     bestfit = demo_spec(str(tmp_path), packing="bestfit", documents=200, seq_length=64)
-    config = StatefulsetDataLoader.Config(dataset=bestfit, num_workers=0, document_boundaries=True)
+    config = StatefulsetDataLoader.Config(dataset=bestfit, num_workers=0)  # document_boundaries by default
     loader = _build(config, batch=4, seq_len=64)
     inputs, labels = next(iter(loader))
     sample = open_stream(bestfit).gather(numpy.arange(4, dtype=numpy.int64))
@@ -105,11 +106,11 @@ def test_selected_from_torchtitans_command_line(spec):
     from torchtitan.config import ConfigManager
 
     argv = ["--module", "statefulset.integrations.torchtitan", "--config", "statefulset_llama3_debugmodel",
-            "--dataloader.dataset", spec, "--dataloader.num_workers", "0", "--dataloader.document_boundaries",
+            "--dataloader.dataset", spec, "--dataloader.num_workers", "0", "--dataloader.no_document_boundaries",
             "--training.seq_len", str(SEQ), "--training.local_batch_size", "2"]  # fmt: skip
     config = ConfigManager().parse_args(argv)
     assert isinstance(config.dataloader, StatefulsetDataLoader.Config)
-    assert config.dataloader.dataset == spec and config.dataloader.document_boundaries
+    assert config.dataloader.dataset == spec and not config.dataloader.document_boundaries
     loader = _build(config.dataloader, seq_len=config.training.seq_len, batch=config.training.local_batch_size)
     assert sorted(next(iter(loader))[0]) == ["input", "positions"]
 

@@ -6,12 +6,12 @@ torchtitan 0.3's ``Trainer`` builds its loader with::
                             local_batch_size=..., snapshot_every_n_steps=...)
 
 (``Configurable.Config.build`` forwards these to the owner class) and iterates it for
-``({"input": [B, S]}, labels [B, S])``. :class:`StatefulsetDataLoader` is that owner class: rows
-of DP rank ``r`` of ``W`` follow the contract's layout (micro-batch ``t``, row ``j`` is global
+``({"input": [B, S], "positions": [B, S]}, labels [B, S])``. :class:`StatefulsetDataLoader` is
+that owner class: rows of DP rank ``r`` of ``W`` follow the contract's layout (micro-batch ``t``, row ``j`` is global
 position ``(t·W + r)·B + j``), ``input`` is ``text[:, :-1]`` and ``labels`` ``text[:, 1:]``, with
 torchtitan's ``IGNORE_INDEX`` (-100) where a ``loss_mask`` is 0 (bestfit padding, masked
-prompts); ``document_boundaries`` adds ``positions`` (per-document ``position_ids``), from which
-torchtitan's Flex/varlen attention builds document masks.
+prompts). ``positions`` (from which torchtitan's Flex/varlen attention builds its masks) restart at
+each document with ``document_boundaries``, else count ``0..S-1`` in every row.
 
 ``state_dict()`` / ``load_state_dict()`` go through torchtitan's checkpointer (DCP); the layout
 is in :mod:`statefulset.integrations.torchtitan.dcp_layout`. A checkpoint restores into another
@@ -87,8 +87,9 @@ class StatefulsetDataLoader(BaseDataLoader):
         pin_memory: bool = False
         """Pin batches in page-locked memory."""
 
-        document_boundaries: bool = False
-        """Add ``positions`` (restarting at each document of the shard index) to the input dict."""
+        document_boundaries: bool = True
+        """``positions`` restart at each document of the shard index, as torchtitan's own loaders do (False:
+        ``0..S-1`` in every row, Megatron's one causal sequence per sample)."""
 
         collective_timeout: float = 300.0
         """Seconds a checkpoint save waits for every rank before naming the missing ones."""
@@ -256,14 +257,21 @@ def _blend_words(text: str, where: str) -> str | list[Any]:
 
 
 def trainer_batch(batch: dict[str, Any], positions: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """torchtitan's ``({"input": [B, S]}, labels [B, S])`` from a statefulset batch (``text`` [B, S+1])."""
+    """torchtitan's ``({"input": [B, S], "positions": [B, S]}, labels [B, S])`` from a batch (``text`` [B, S+1]).
+
+    ``positions`` restart at each document of the shard index with ``positions=True``
+    (``document_boundaries``), else count ``0..S-1`` in every row. torchtitan 0.3's models with
+    Flex or varlen attention (its llama3 debug model among them) build their attention masks from
+    ``positions`` and fail without them, so they are always there, as in torchtitan's own loaders.
+    """
     text = batch["text"]
     inputs = text[:, :-1].contiguous()
     labels = text[:, 1:].contiguous()
     mask = batch.get("loss_mask")
     if mask is not None:
         labels[mask == 0] = IGNORE_INDEX
-    out = {"input": inputs}
     if positions:
-        out["positions"] = batch["position_ids"].to(torch.int64)
-    return out, labels
+        where = batch["position_ids"].to(torch.int64)
+    else:  # one document per row: what torchtitan's masks and RoPE make of 0..S-1
+        where = torch.arange(inputs.shape[1], dtype=torch.int64).expand_as(inputs).contiguous()
+    return {"input": inputs, "positions": where}, labels
