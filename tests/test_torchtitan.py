@@ -82,6 +82,11 @@ def test_seq_len_must_match_the_specs_seq_length(spec):
         _build(StatefulsetDataLoader.Config(dataset=spec), seq_len=32)
 
 
+def test_a_dp_size_above_one_needs_torch_distributed(spec):
+    with pytest.raises(StatefulsetError, match=r"DP rank 1 of 2\): dp_world_size > 1 needs torch.distributed"):
+        _build(StatefulsetDataLoader.Config(dataset=spec), dp_world_size=2, dp_rank=1)
+
+
 def test_a_spec_from_config_fields_equals_the_yaml_one(spec):
     import yaml
 
