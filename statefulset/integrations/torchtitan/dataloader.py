@@ -157,11 +157,11 @@ class StatefulsetDataLoader(BaseDataLoader):
         """
         state = self.loader.save_state_rank()
         out: dict[str, Any] = {WORLD_KEY: self.dp_world_size}
-        if self.dp_world_size == 1:
-            out[RECORD_KEY] = encode_record([state], 1)
-            return out
         if self._fresh:
             out[RECORD_KEY] = initial_record(state, self.dp_world_size)
+            return out
+        if not _in_a_job():  # one process: DP size 1 (the build checked it)
+            out[RECORD_KEY] = encode_record([state], 1)
             return out
         record = gather_record(state, self.dp_world_size, self.loader.collective_timeout)
         if record is not None:
@@ -197,6 +197,13 @@ class StatefulsetDataLoader(BaseDataLoader):
             f"StatefulsetDataLoader({self.spec.source}, dp_rank={self.dp_rank}/{self.dp_world_size}, "
             f"batch={self.local_batch_size}x{self.seq_len}, consumed_samples={self.consumed_samples})"
         )
+
+
+def _in_a_job() -> bool:
+    """More than one process: a save gathers (TP/PP peers of a DP size of 1 are checked against each other too)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _check_world(dp_rank: int, dp_world_size: int, where: str) -> None:
