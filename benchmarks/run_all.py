@@ -52,6 +52,8 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_metrics.py": ["--quick"],
     "bench_loss_masks.py": ["--quick"],
     "bench_torchtitan.py": ["--quick"],
+    "bench_torchft.py": ["--quick"],
+    "bench_torchft_sampler.py": ["--quick"],
     "bench_concurrent_open.py": [
         "--docs",
         "200000",

@@ -66,11 +66,15 @@ def _read_int(path: str) -> int | None:
         return None
 
 
+def _write_int(path: str, value: int) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(value))
+    os.replace(path + ".tmp", path)
+
+
 def _gate(path: str, step: int) -> None:
     """Wait here, mid-step, until the harness SIGKILLs this process (so the kill always lands here)."""
-    with open(path + ".tmp", "w") as f:
-        f.write(str(step))
-    os.replace(path + ".tmp", path)
+    _write_int(path, step)
     time.sleep(WAIT)
     raise SystemExit(f"replica gated at {path} was not killed within {WAIT:g} s")
 
@@ -88,23 +92,12 @@ def _hold(control: str, step: int) -> None:
         time.sleep(0.01)
 
 
-def replica(args: argparse.Namespace) -> None:
-    """One replica group (one rank): data parallel over a tiny model with torchft, fed by a FaultTolerantLoader."""
-    _die_with_parent()
-    import torch
-    from torch.distributed import TCPStore
+def _manager(args: argparse.Namespace, model, optimizer, store):
+    """This replica group's torchft Manager (rank 0 of 1), talking to the harness's lighthouse."""
     from torchft import Manager, ProcessGroupGloo
 
-    from statefulset import WorkerConfig, get_train_dataset
-    from statefulset.integrations.torchft import FaultTolerantLoader
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)  # every replica starts from the same weights
-    model = torch.nn.Linear(args.seq_length, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=60)),
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), optimizer.load_state_dict(sd["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": optimizer.state_dict()},
         min_replica_size=2,  # a majority of the 3 replica groups: no two quorums at once (split brain)
@@ -115,13 +108,64 @@ def replica(args: argparse.Namespace) -> None:
         rank=0,
         world_size=1,
         hostname="127.0.0.1",
-        timeout=timedelta(seconds=30),
+        timeout=timedelta(seconds=60),
         quorum_timeout=timedelta(seconds=WAIT),
-        connect_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=60),
         init_sync=False,  # the same seed gives every replica the same weights: no weight sync at step 0
     )
+
+
+class SamplerBatches:
+    """For the comparison only: torchft's own ``DistributedSampler`` (shard ``replica`` of 3) under a
+    DataLoader. ``saved``: the number of batches this replica had finished, read at start (a per-replica
+    loader checkpoint written every step, as torchtitan's fault-tolerant mode does), or None (no checkpoint)."""
+
+    def __init__(self, dataset, replica: int, saved: int | None, workers: int) -> None:
+        from torch.utils.data import DataLoader, Dataset
+        from torchft.data import DistributedSampler
+
+        class Positions(Dataset):
+            def __len__(self) -> int:
+                return 1_000_000
+
+            def __getitem__(self, p: int):
+                return dataset[p]
+
+        sampler = DistributedSampler(Positions(), replica_rank=replica, num_replica_groups=3, group_rank=0,
+                                     num_replicas=1, shuffle=False)  # fmt: skip
+        order = list(sampler)[(saved or 0) * BATCH :]
+        self.iterator = iter(DataLoader(Positions(), batch_size=BATCH, sampler=order, num_workers=workers))
+        self.taken = saved or 0
+
+    def __next__(self):
+        self.taken += 1
+        return next(self.iterator)
+
+
+def replica(args: argparse.Namespace) -> None:
+    """One replica group (one rank): data parallel over a tiny model with torchft, fed by a FaultTolerantLoader."""
+    _die_with_parent()
+    import torch
+
+    from statefulset import WorkerConfig, get_train_dataset
+    from statefulset.integrations.torchft import FaultTolerantLoader
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # every replica starts from the same weights
+    model = torch.nn.Linear(args.seq_length, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the replica group's; kept alive
+    manager = _manager(args, model, optimizer, store)
     wc = WorkerConfig(rank=0, world_size=1, num_workers=args.workers)  # rank and size within the replica group
-    loader = FaultTolerantLoader(get_train_dataset(args.spec, batch_size=BATCH, worker_config=wc), manager)
+    dataset = get_train_dataset(args.spec, batch_size=BATCH, worker_config=wc)
+    saved = os.path.join(args.control, f"saved-{args.replica}")  # the sampler-checkpoint comparison's file
+    if args.loader == "statefulset":
+        loader = FaultTolerantLoader(dataset, manager)
+    else:
+        loader = SamplerBatches(dataset, args.replica, _read_int(saved) if args.loader == "sampler-ckpt" else None,
+                                args.workers)  # fmt: skip
     log = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.write(log, (json.dumps({"event": "ready", "replica": args.replica, "pid": os.getpid()}) + "\n").encode())
     kill = os.path.join(args.control, f"kill-{args.replica}")
@@ -130,14 +174,14 @@ def replica(args: argparse.Namespace) -> None:
         _hold(args.control, manager.current_step())
         manager.start_quorum()
         batch = next(loader)
-        served = loader.last._asdict()
-        record = {
-            "replica": args.replica,
-            "pid": os.getpid(),
-            "t": time.time(),
-            **served,
-            "ids": batch["sample_id"].tolist(),
-        }
+        if isinstance(loader, FaultTolerantLoader):
+            served = loader.last._asdict()
+        else:
+            served = {"step": manager.current_step(), "replica_batch": None, "counted": manager.is_participating(),
+                      "participants": manager.num_participants(),
+                      "committed_before": manager.batches_committed()}  # fmt: skip
+        record = {"replica": args.replica, "pid": os.getpid(), "t": time.time(), **served,
+                  "ids": batch["sample_id"].tolist()}  # fmt: skip
         os.write(log, (json.dumps({"event": "served", **record}) + "\n").encode())
         kill_at = _read_int(kill)
         if kill_at is not None and served["counted"] and served["step"] >= kill_at:
@@ -159,6 +203,8 @@ def replica(args: argparse.Namespace) -> None:
                    "injected": injected,
                    "batches_committed": manager.batches_committed()}  # fmt: skip
         os.write(log, (json.dumps({"event": "commit", **outcome}) + "\n").encode())
+        if isinstance(loader, SamplerBatches):
+            _write_int(saved, loader.taken)  # the per-step loader checkpoint of the comparison
     os.close(log)
     manager.shutdown(wait=False)
 
@@ -240,12 +286,16 @@ class Run:
     the survivors cannot finish the run before a restarted replica has joined).
     """
 
-    def __init__(self, folder: str, spec: str, steps: int, fail_commit_at: int | None = None, workers: int = 1) -> None:
+    def __init__(
+        self, folder: str, spec: str, steps: int, fail_commit_at: int | None = None, workers: int = 1,
+        loader: str = "statefulset",
+    ) -> None:  # fmt: skip
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO otherwise
         from torchft.coordination import LighthouseServer
 
         self.folder, self.spec, self.steps, self.workers = folder, spec, steps, workers
         self.fail_commit_at = fail_commit_at
+        self.loader = loader
         self.control = os.path.join(folder, "control")
         os.makedirs(self.control, exist_ok=True)
         # min_replicas 2 of 3: a majority, so two quorums never commit the same step (split brain).
@@ -261,7 +311,8 @@ class Run:
     def start(self, replica: int) -> None:
         command = [sys.executable, os.path.abspath(__file__), "--replica", str(replica),
                    "--lighthouse", self.lighthouse.address(), "--spec", self.spec, "--steps", str(self.steps),
-                   "--log", self.log(replica), "--control", self.control, "--workers", str(self.workers)]  # fmt: skip
+                   "--log", self.log(replica), "--control", self.control, "--workers", str(self.workers),
+                   "--loader", self.loader]  # fmt: skip
         if self.fail_commit_at is not None:
             command += ["--fail-commit-at", str(self.fail_commit_at)]
         with open(os.path.join(self.folder, f"replica{replica}.out"), "a") as out:
@@ -289,10 +340,7 @@ class Run:
             time.sleep(0.02)
 
     def _write(self, name: str, value: int) -> None:
-        path = os.path.join(self.control, name)
-        with open(path + ".tmp", "w") as f:
-            f.write(str(value))
-        os.replace(path + ".tmp", path)
+        _write_int(os.path.join(self.control, name), value)
 
     def kill_and_restart(self, replica: int, at_step: int) -> int:
         """SIGKILL ``replica`` mid-step at its first counted step from ``at_step``; let the others commit
@@ -338,12 +386,16 @@ class Run:
             return f.read()[-4000:]
 
 
-def story(folder: str, spec: str, steps: int = 60, kills: int = 1, seed: int = 0, workers: int = 1) -> dict:
+def story(
+    folder: str, spec: str, steps: int = 60, kills: int = 1, seed: int = 0, workers: int = 1,
+    loader: str = "statefulset",
+) -> dict:  # fmt: skip
     """Three replica groups; ``kills`` times a random one killed mid-step and restarted; one commit
-    made to fail on every replica. Raises AssertionError unless the run was exactly once."""
+    made to fail on every replica. With our loader, raises AssertionError unless the run was exactly
+    once; with torchft's sampler (``loader="sampler"``, ``"sampler-ckpt"``) only tallies what was trained."""
     rng = random.Random(seed)
     fail_at = rng.randrange(steps // 2, steps * 2 // 3)
-    run = Run(folder, spec, steps, fail_commit_at=fail_at, workers=workers)
+    run = Run(folder, spec, steps, fail_commit_at=fail_at, workers=workers, loader=loader)
     try:
         for replica in range(3):
             run.start(replica)
@@ -356,18 +408,38 @@ def story(folder: str, spec: str, steps: int = 60, kills: int = 1, seed: int = 0
         raise
     run.finish()
     records = read_logs(folder)
-    summary = check_exactly_once(records)
+    summary = {"kills": run.kills, "failed_commit_at": fail_at, **tally(records)}
+    if loader != "statefulset":
+        return summary
+    summary.update(check_exactly_once(records))
     failed = [(s, o) for s, o in attempts(records) if o is not None and o["injected"]]
     assert failed and not any(o["committed"] for _, o in failed), (
         f"the commit made to fail at step {fail_at} went through"
     )
     # The failed step was committed later from the same frontier: its replica-batches served again.
-    steps = {s["step"]: s["committed_before"] for s, o in attempts(records) if o is not None and o["committed"]}
+    steps_at = {s["step"]: s["committed_before"] for s, o in attempts(records) if o is not None and o["committed"]}
     for served, _ in failed:
-        assert steps.get(served["step"]) == served["committed_before"], "a failed step was not served again"
+        assert steps_at.get(served["step"]) == served["committed_before"], "a failed step was not served again"
     assert not summary["zeroed"], f"replica-batches counted with zeroed gradients: {summary['zeroed']}"
-    healing = sum(1 for s, _ in attempts(records) if not s["counted"])
-    return {**summary, "kills": run.kills, "failed_commit_at": fail_at, "healing_steps": healing}
+    assert summary["duplicated"] == 0 and summary["holes"] == 0, summary
+    return summary
+
+
+def tally(records: list[dict]) -> dict:
+    """What the committed steps trained on: samples, repeats, and holes below the highest one trained."""
+    trained: list[int] = []
+    for served, outcome in attempts(records):
+        if outcome is not None and outcome["committed"] and served["counted"]:
+            trained.extend(served["ids"])
+    distinct = set(trained)
+    top = max(distinct, default=-1)
+    return {
+        "trained": len(trained),
+        "distinct": len(distinct),
+        "duplicated": len(trained) - len(distinct),
+        "holes": top + 1 - len(distinct),  # positions below the highest trained one never trained
+        "healing_steps": sum(1 for s, _ in attempts(records) if not s["counted"]),
+    }
 
 
 def main() -> None:
@@ -380,6 +452,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="DataLoader workers of the replica")
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--control", help="the harness's control folder (kill and hold files)")
+    parser.add_argument("--loader", default="statefulset", choices=["statefulset", "sampler", "sampler-ckpt"],
+                        help="sampler, sampler-ckpt: torchft's DistributedSampler (for docs/torchft.md)")  # fmt: skip
     parser.add_argument("--fail-commit-at", type=int, help="report an error before the commit of this step, once")
     args = parser.parse_args()
     if args.replica is not None:

@@ -47,6 +47,7 @@ def test_random_kills_restarts_and_a_failed_commit_consume_every_sample_exactly_
     assert len(summary["kills"]) == 2, (seed, summary)
     # Each restart healed (served batches that did not count) before it took part again.
     assert summary["healing_steps"] >= 2, (seed, summary)
+    assert summary["trained"] == summary["distinct"] == summary["samples"], (seed, summary)
 
 
 class _Replica:

@@ -20,14 +20,16 @@ C+i+2k, ...`` as long as the quorum holds and every step commits: that is DP ran
 layout of DP size ``k·W`` placed at ``(C+i)·W·B``, so an ordinary :class:`~statefulset.loading.loader.SavableLoader`
 over it builds them ahead in its workers (a *plan*). When the step asks for another replica-batch
 (the quorum changed, a commit failed, the replica healed), the trainer process builds it at once and,
-unless the plan still holds for the step after, the plan's workers are stopped and a new plan starts
-after it. No state of its own: the manager's is the cursor.
+unless the plan still holds for the step after, a new plan starts after it (its workers forked now)
+and the old plan's workers are stopped on a thread of their own. No state of its own: the
+manager's is the cursor.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import threading
 from typing import Any, NamedTuple
 
 import numpy
@@ -170,8 +172,8 @@ class FaultTolerantLoader:
             self._plan = plan._replace(next_batch=n + stride)
             return batch
         # Another replica-batch than the plan guessed: built here now. The plan goes on when it
-        # still holds for the next step (a failed commit: the same step again); else its workers
-        # stop and a new plan's start building the next steps while this one is built.
+        # still holds for the next step (a failed commit: the same step again); else a new plan's
+        # workers start building the next steps, and the old plan's stop.
         if plan is None or plan.next_batch != n + stride or plan.stride != stride:
             if plan is not None:
                 _log.info(
@@ -179,8 +181,13 @@ class FaultTolerantLoader:
                     "prefetched batches dropped",
                     plan.next_batch, plan.stride, n, stride,
                 )  # fmt: skip
+            # The old plan is dropped on a thread of its own: its workers finish the batch in hand and
+            # are joined there (torch bounds each join), off the trainer's way to this batch.
+            box = [plan] if plan is not None else []
             self._plan = None
-            del plan  # the old workers stop before new ones start
+            del plan
+            if box:
+                threading.Thread(target=box.clear, name="statefulset-torchft-release", daemon=True).start()
             loader = self._loader(n + stride, stride, self.dataset.worker_config.num_workers)
             iter(loader)  # starts the workers
             self._plan = _Plan(loader, n + stride, stride)
