@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -205,6 +206,14 @@ def replica(args: argparse.Namespace) -> None:
         os.write(log, (json.dumps({"event": "commit", **outcome}) + "\n").encode())
         if isinstance(loader, SamplerBatches):
             _write_int(saved, loader.taken)  # the per-step loader checkpoint of the comparison
+    # The workers of plans dropped on a quorum change are gone (joined on their own thread): only the
+    # current plan's are left.
+    deadline = time.monotonic() + 30
+    while len(multiprocessing.active_children()) > args.workers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = len(multiprocessing.active_children())
+    os.write(log, (json.dumps({"event": "final", "replica": args.replica, "pid": os.getpid(), "children": children})
+                   + "\n").encode())  # fmt: skip
     os.close(log)
     manager.shutdown(wait=False)
 
@@ -221,7 +230,7 @@ def attempts(records: list[dict]) -> list[tuple[dict, dict | None]]:
             if key in open_serves:
                 out.append((open_serves[key], None))
             open_serves[key] = r
-        elif key in open_serves:
+        elif r["event"] == "commit" and key in open_serves:
             out.append((open_serves.pop(key), r))
     out.extend((served, None) for served in open_serves.values())
     return out
@@ -422,6 +431,8 @@ def story(
         assert steps_at.get(served["step"]) == served["committed_before"], "a failed step was not served again"
     assert not summary["zeroed"], f"replica-batches counted with zeroed gradients: {summary['zeroed']}"
     assert summary["duplicated"] == 0 and summary["holes"] == 0, summary
+    left = {r["replica"]: r["children"] for r in records if r["event"] == "final" and r["children"] > workers}
+    assert not left, f"DataLoader workers of dropped plans still alive at the end, per replica: {left}"
     return summary
 
 
