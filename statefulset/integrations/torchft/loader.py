@@ -81,6 +81,10 @@ class FaultTolerantLoader:
     (``W = 1`` for a replica group of one process). Every replica group must use the same spec, ``B``
     and ``W``. ``loader_options`` go to :func:`~statefulset.loading.loader.get_savable_loader` for
     each plan (``prefetch_factor``, ``multiprocessing_context``, the watchdog keywords, ...).
+
+    ``next()`` waits for the quorum ``start_quorum()`` began (torchft bounds that wait by the
+    manager's ``quorum_timeout``), then for its batch under the watchdog's bounds, as the savable
+    loader does.
     """
 
     def __init__(self, dataset: StreamDataset, manager: Any, **loader_options: Any) -> None:
