@@ -3,7 +3,8 @@
 On S3 (moto, on loopback) every ranged GET carries ``If-Match`` with the ETag seen at open, through
 both clients; a local ``.bin`` is checked (inode, size, mtime) when a worker starts or restarts, when
 a stream is reopened in another process, and at each new pass of the trainer's own iteration
-(a running one keeps the file it mapped: the old inode, the original's tokens).
+(a running one keeps the file it mapped: the old inode, the original's tokens); a file rewritten in
+place (the mapped inode itself) is caught by a ``stat`` after every copy out of it.
 Every batch handed out before the error is the original's.
 """
 
@@ -122,3 +123,32 @@ def test_a_local_bin_replaced_under_a_job_is_a_named_error_at_worker_start_and_r
         next(iter(workers))  # a worker started after the replacement
     # The trainer's running iteration keeps the version it mapped (the old inode): the original's tokens.
     assert torch.equal(next(first)["text"], next(reference)["text"])
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_local_bin_rewritten_in_place_mid_run_is_a_named_error_never_other_tokens(shard, tmp_path, workers):
+    """Found by the long campaign (seed 101656, replace_inplace, 0 workers): a ``.bin`` rewritten in
+    place (same inode, same size) while a loader read it through its memory map gave the new tokens
+    with no error, since the version was only checked when a worker started or a pass began. Every
+    read is now followed by a ``stat`` of the local files it read, before its rows are handed out."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{shard}{ext}", folder / f"web{ext}")
+    prefix = str(folder / "web")
+    spec = _spec(prefix, tmp_path / "cache")
+    stream = open_stream(spec)
+    positions = numpy.arange(0, 40, 2)
+    want = stream.gather(positions)
+    it = iter(_loader(spec, workers))
+    reference = iter(_loader(_spec(str(shard), tmp_path / "c3"), workers=0))
+    assert torch.equal(next(it)["text"], next(reference)["text"])
+    with open(f"{prefix}.bin", "r+b") as f:  # what `cp` over an existing file or `dd conv=notrunc` does
+        f.write(_other_version(f"{prefix}.bin"))
+    changed = rf"{prefix}\.bin: changed since it was opened"
+    with pytest.raises(StatefulsetError, match=changed):
+        stream.gather(positions)
+    assert not numpy.array_equal(want, open_stream(_spec(prefix, tmp_path / "other")).gather(positions))
+    with pytest.raises(StatefulsetError, match=changed):  # a worker reads ahead a bounded number of batches
+        for _ in range(200):
+            assert torch.equal(next(it)["text"], next(reference)["text"])  # the original's, until the error

@@ -262,7 +262,14 @@ class IndexedDataset:
         return self._read(token_offset * self._itemsize, count)
 
     def gather(self, token_starts: Any, lengths: Any, out: numpy.ndarray) -> None:
-        """Copy the token ranges ``[start, start + length)`` of the ``.bin``, back to back, into flat ``out``.
+        """Copy the token ranges ``[start, start + length)`` of the ``.bin``, back to back, into flat ``out``;
+        a StatefulsetError naming the ``.bin`` if it was rewritten in place meanwhile (one ``stat`` after
+        the copy: :meth:`ShardFile.check_read`), so that ``out`` never holds tokens of another version."""
+        self._copy_ranges(token_starts, lengths, out)
+        self._bin_file.check_read()
+
+    def _copy_ranges(self, token_starts: Any, lengths: Any, out: numpy.ndarray) -> None:
+        """:meth:`gather`'s copy.
 
         The hot path of batch assembly (a batch is tens of ranges). Up to ``_GATHER_LIST_MAX``
         ranges are planned on Python ints, which beats numpy's per-call overhead at that size:

@@ -68,6 +68,7 @@ class ShardFile:
             raise StatefulsetError(f"{path}: not a regular file")
         self.size = info.st_size
         self.version = _file_version(info)
+        self._opened = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
 
     def _stat(self) -> os.stat_result:
         try:
@@ -88,6 +89,24 @@ class ShardFile:
         now = _file_version(self._stat())
         if now != self.version:
             raise changed_error(self.path, self.version, now)
+
+    def check_read(self) -> None:
+        """After tokens were copied out of this local file's memory map: a StatefulsetError naming it
+        when the file mapped was rewritten in place since it was opened (same inode, another size or
+        modification time), so that no row holding its new bytes is handed out. A write updates the
+        modification time before it changes the bytes, so a copy that saw new bytes is always caught
+        by this ``stat`` after it. A file renamed over or deleted leaves the mapped inode, the version
+        opened, in place: reads go on (a worker or pass that starts later is refused by
+        :meth:`check_unchanged`). Remote reads are pinned request by request, so nothing to do."""
+        if self._local is None:
+            return
+        try:
+            info = os.stat(self._local)
+        except OSError:
+            return  # deleted or unreadable now: the mapped inode is still the version opened
+        dev, ino, size, mtime_ns = self._opened
+        if (info.st_dev, info.st_ino) == (dev, ino) and (info.st_size, info.st_mtime_ns) != (size, mtime_ns):
+            raise changed_error(self.path, self.version, _file_version(info))
 
     @property
     def is_local(self) -> bool:
