@@ -93,8 +93,8 @@ def _hold(control: str, step: int) -> None:
         time.sleep(0.01)
 
 
-def _manager(args: argparse.Namespace, model, optimizer, store):
-    """This replica group's torchft Manager (rank 0 of 1), talking to the harness's lighthouse."""
+def _manager(args: argparse.Namespace, model, optimizer, store, rank: int):
+    """A torchft Manager for rank ``rank`` of the replica group, talking to the harness's lighthouse."""
     from torchft import Manager, ProcessGroupGloo
 
     return Manager(
@@ -106,8 +106,8 @@ def _manager(args: argparse.Namespace, model, optimizer, store):
         lighthouse_addr=args.lighthouse,
         store_addr="127.0.0.1",
         store_port=store.port,
-        rank=0,
-        world_size=1,
+        rank=rank,
+        world_size=args.group_size,
         hostname="127.0.0.1",
         timeout=timedelta(seconds=60),
         quorum_timeout=timedelta(seconds=WAIT),
@@ -144,22 +144,51 @@ class SamplerBatches:
 
 
 def replica(args: argparse.Namespace) -> None:
-    """One replica group (one rank): data parallel over a tiny model with torchft, fed by a FaultTolerantLoader."""
+    """One replica group: ``--group-size`` ranks (threads of this process when more than one, as
+    torchft's own tests run them), each data parallel over a tiny model, fed by a FaultTolerantLoader."""
     _die_with_parent()
+    import torch
+    from torch.distributed import TCPStore
+
+    torch.set_num_threads(1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the replica group's; kept alive
+    log = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # one line per write: whole lines
+    if args.group_size == 1:
+        _rank(args, 0, store, log)
+    else:
+        failed: list[BaseException] = []
+
+        def run(rank: int) -> None:
+            try:
+                _rank(args, rank, store, log)
+            except BaseException as exc:
+                failed.append(exc)
+
+        threads = [threading.Thread(target=run, args=(r,), name=f"rank-{r}") for r in range(args.group_size)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 3600
+        while any(t.is_alive() for t in threads) and not failed:
+            if time.monotonic() > deadline:
+                raise SystemExit("the replica group's ranks ran for an hour: a hang")
+            time.sleep(0.1)
+        if failed:
+            raise failed[0]
+    os.close(log)
+
+
+def _rank(args: argparse.Namespace, rank: int, store, log: int) -> None:
+    """One rank of the replica group: the training loop, logging what it was served and committed."""
     import torch
 
     from statefulset import WorkerConfig, get_train_dataset
     from statefulset.integrations.torchft import FaultTolerantLoader
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)  # every replica starts from the same weights
     model = torch.nn.Linear(args.seq_length, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the replica group's; kept alive
-    manager = _manager(args, model, optimizer, store)
-    wc = WorkerConfig(rank=0, world_size=1, num_workers=args.workers)  # rank and size within the replica group
+    manager = _manager(args, model, optimizer, store, rank)
+    wc = WorkerConfig(rank=rank, world_size=args.group_size, num_workers=args.workers)  # within the replica group
     dataset = get_train_dataset(args.spec, batch_size=BATCH, worker_config=wc)
     saved = os.path.join(args.control, f"saved-{args.replica}")  # the sampler-checkpoint comparison's file
     if args.loader == "statefulset":
@@ -167,8 +196,8 @@ def replica(args: argparse.Namespace) -> None:
     else:
         loader = SamplerBatches(dataset, args.replica, _read_int(saved) if args.loader == "sampler-ckpt" else None,
                                 args.workers)  # fmt: skip
-    log = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.write(log, (json.dumps({"event": "ready", "replica": args.replica, "pid": os.getpid()}) + "\n").encode())
+    me = {"replica": args.replica, "pid": os.getpid(), "group_rank": rank}
+    os.write(log, (json.dumps({"event": "ready", **me}) + "\n").encode())
     kill = os.path.join(args.control, f"kill-{args.replica}")
     failed_once = False
     while manager.current_step() < args.steps:
@@ -181,11 +210,10 @@ def replica(args: argparse.Namespace) -> None:
             served = {"step": manager.current_step(), "replica_batch": None, "counted": manager.is_participating(),
                       "participants": manager.num_participants(),
                       "committed_before": manager.batches_committed()}  # fmt: skip
-        record = {"replica": args.replica, "pid": os.getpid(), "t": time.time(), **served,
-                  "ids": batch["sample_id"].tolist()}  # fmt: skip
+        record = {**me, "t": time.time(), **served, "ids": batch["sample_id"].tolist()}
         os.write(log, (json.dumps({"event": "served", **record}) + "\n").encode())
         kill_at = _read_int(kill)
-        if kill_at is not None and served["counted"] and served["step"] >= kill_at:
+        if rank == 0 and kill_at is not None and served["counted"] and served["step"] >= kill_at:
             _gate(kill + ".gate", served["step"])
         text = batch["text"].float() / 256
         loss = torch.nn.functional.mse_loss(model(text[:, :-1]).squeeze(1), text[:, -1])
@@ -200,8 +228,7 @@ def replica(args: argparse.Namespace) -> None:
         if committed:
             optimizer.step()
         optimizer.zero_grad()
-        outcome = {"replica": args.replica, "pid": os.getpid(), "step": served["step"], "committed": committed,
-                   "injected": injected,
+        outcome = {**me, "step": served["step"], "committed": committed, "injected": injected,
                    "batches_committed": manager.batches_committed()}  # fmt: skip
         os.write(log, (json.dumps({"event": "commit", **outcome}) + "\n").encode())
         if isinstance(loader, SamplerBatches):
@@ -209,12 +236,10 @@ def replica(args: argparse.Namespace) -> None:
     # The workers of plans dropped on a quorum change are gone (joined on their own thread): only the
     # current plan's are left.
     deadline = time.monotonic() + 30
-    while len(multiprocessing.active_children()) > args.workers and time.monotonic() < deadline:
+    while len(multiprocessing.active_children()) > args.workers * args.group_size and time.monotonic() < deadline:
         time.sleep(0.05)
     children = len(multiprocessing.active_children())
-    os.write(log, (json.dumps({"event": "final", "replica": args.replica, "pid": os.getpid(), "children": children})
-                   + "\n").encode())  # fmt: skip
-    os.close(log)
+    os.write(log, (json.dumps({"event": "final", **me, "children": children}) + "\n").encode())
     manager.shutdown(wait=False)
 
 
@@ -225,7 +250,7 @@ def attempts(records: list[dict]) -> list[tuple[dict, dict | None]]:
     """Each served record with the commit record that followed it in the same process (None: killed first)."""
     out, open_serves = [], {}
     for r in records:
-        key = (r["replica"], r["pid"])
+        key = (r["replica"], r["pid"], r.get("group_rank", 0))
         if r["event"] == "served":
             if key in open_serves:
                 out.append((open_serves[key], None))
@@ -248,7 +273,7 @@ def check_exactly_once(records: list[dict], batch_size: int = BATCH, group_size:
     frontier = 0
     for served, outcome in pairs:
         n = served["replica_batch"]
-        first = n * group_size * batch_size  # rank 0 of the group (these replica groups have one rank)
+        first = (n * group_size + served["group_rank"]) * batch_size  # (n·W + r)·B
         assert served["ids"] == list(range(first, first + batch_size)), f"wrong rows for replica-batch {n}: {served}"
         if outcome is None or not outcome["committed"]:
             continue
@@ -262,14 +287,17 @@ def check_exactly_once(records: list[dict], batch_size: int = BATCH, group_size:
         assert before == edge, f"step {s} began at replica-batch {before} with the frontier at {edge}: lost or repeated"
         edge = before + k
     assert edge == frontier, f"the committed steps end at replica-batch {edge}, the managers say {frontier}"
-    served_at = {(a["step"], a["committed_before"], a["participants"], a["replica_batch"]): a for a, _ in pairs}
+    served_at = {
+        (a["step"], a["committed_before"], a["participants"], a["replica_batch"], a["group_rank"]): a for a, _ in pairs
+    }
     zeroed = []
     for s, (before, k) in steps.items():
         for n in range(before, before + k):
-            a = served_at.get((s, before, k, n))
-            assert a is not None, f"replica-batch {n} of committed step {s} was served to no participant"
-            if not a["counted"]:
-                zeroed.append(n)  # counted by torchft, gradients zeroed (init_sync at step 0)
+            for r in range(group_size):
+                a = served_at.get((s, before, k, n, r))
+                assert a is not None, f"rank {r}'s rows of replica-batch {n} (committed step {s}) were served to no one"
+                if not a["counted"]:
+                    zeroed.append(n)  # counted by torchft, gradients zeroed (init_sync at step 0)
     return {"steps": len(steps), "frontier": frontier, "samples": frontier * group_size * batch_size,
             "zeroed": sorted(zeroed)}  # fmt: skip
 
@@ -297,7 +325,7 @@ class Run:
 
     def __init__(
         self, folder: str, spec: str, steps: int, fail_commit_at: int | None = None, workers: int = 1,
-        loader: str = "statefulset",
+        loader: str = "statefulset", group_size: int = 1,
     ) -> None:  # fmt: skip
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at INFO otherwise
         from torchft.coordination import LighthouseServer
@@ -305,6 +333,7 @@ class Run:
         self.folder, self.spec, self.steps, self.workers = folder, spec, steps, workers
         self.fail_commit_at = fail_commit_at
         self.loader = loader
+        self.group_size = group_size
         self.control = os.path.join(folder, "control")
         os.makedirs(self.control, exist_ok=True)
         # min_replicas 2 of 3: a majority, so two quorums never commit the same step (split brain).
@@ -321,7 +350,7 @@ class Run:
         command = [sys.executable, os.path.abspath(__file__), "--replica", str(replica),
                    "--lighthouse", self.lighthouse.address(), "--spec", self.spec, "--steps", str(self.steps),
                    "--log", self.log(replica), "--control", self.control, "--workers", str(self.workers),
-                   "--loader", self.loader]  # fmt: skip
+                   "--loader", self.loader, "--group-size", str(self.group_size)]  # fmt: skip
         if self.fail_commit_at is not None:
             command += ["--fail-commit-at", str(self.fail_commit_at)]
         with open(os.path.join(self.folder, f"replica{replica}.out"), "a") as out:
@@ -397,14 +426,15 @@ class Run:
 
 def story(
     folder: str, spec: str, steps: int = 60, kills: int = 1, seed: int = 0, workers: int = 1,
-    loader: str = "statefulset",
+    loader: str = "statefulset", group_size: int = 1,
 ) -> dict:  # fmt: skip
     """Three replica groups; ``kills`` times a random one killed mid-step and restarted; one commit
     made to fail on every replica. With our loader, raises AssertionError unless the run was exactly
     once; with torchft's sampler (``loader="sampler"``, ``"sampler-ckpt"``) only tallies what was trained."""
     rng = random.Random(seed)
     fail_at = rng.randrange(steps // 2, steps * 2 // 3)
-    run = Run(folder, spec, steps, fail_commit_at=fail_at, workers=workers, loader=loader)
+    assert loader == "statefulset" or group_size == 1, "the sampler comparison runs replica groups of one rank"
+    run = Run(folder, spec, steps, fail_commit_at=fail_at, workers=workers, loader=loader, group_size=group_size)
     try:
         for replica in range(3):
             run.start(replica)
@@ -420,7 +450,7 @@ def story(
     summary = {"kills": run.kills, "failed_commit_at": fail_at, **tally(records)}
     if loader != "statefulset":
         return summary
-    summary.update(check_exactly_once(records))
+    summary.update(check_exactly_once(records, group_size=group_size))
     failed = [(s, o) for s, o in attempts(records) if o is not None and o["injected"]]
     assert failed and not any(o["committed"] for _, o in failed), (
         f"the commit made to fail at step {fail_at} went through"
@@ -431,7 +461,8 @@ def story(
         assert steps_at.get(served["step"]) == served["committed_before"], "a failed step was not served again"
     assert not summary["zeroed"], f"replica-batches counted with zeroed gradients: {summary['zeroed']}"
     assert summary["duplicated"] == 0 and summary["holes"] == 0, summary
-    left = {r["replica"]: r["children"] for r in records if r["event"] == "final" and r["children"] > workers}
+    most = workers * group_size  # the current plan's workers of each rank
+    left = {r["replica"]: r["children"] for r in records if r["event"] == "final" and r["children"] > most}
     assert not left, f"DataLoader workers of dropped plans still alive at the end, per replica: {left}"
     return summary
 
@@ -460,7 +491,8 @@ def main() -> None:
     parser.add_argument("--spec", help="dataset spec (YAML)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--log", help="JSON lines: what this replica was served and committed")
-    parser.add_argument("--workers", type=int, default=1, help="DataLoader workers of the replica")
+    parser.add_argument("--workers", type=int, default=1, help="DataLoader workers of each rank")
+    parser.add_argument("--group-size", type=int, default=1, help="ranks of the replica group (threads)")
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--control", help="the harness's control folder (kill and hold files)")
     parser.add_argument("--loader", default="statefulset", choices=["statefulset", "sampler", "sampler-ckpt"],

@@ -37,12 +37,13 @@ def spec(tmp_path_factory):
 
 
 def test_random_kills_restarts_and_a_failed_commit_consume_every_sample_exactly_once(spec, tmp_path):
-    """Three replica groups for 200 steps; twice a random one SIGKILLed mid-step (after it took its batch)
-    and started again (it heals from its peers); one commit failed everywhere. Every replica-batch below
-    the frontier was consumed by exactly one committed step, with the rows of the layout."""
+    """Three replica groups of two ranks each (threads, as torchft's own tests run them; examples/ runs
+    groups of one) for 200 steps; twice a random one SIGKILLed mid-step (after it took its batch) and
+    started again (it heals from its peers); one commit failed everywhere. Every replica-batch below the
+    frontier was consumed by exactly one committed step, each rank with its rows (n·W + r)·B + j."""
     seed = random.randrange(2**32)
     example = _example()
-    summary = example.story(str(tmp_path), spec, steps=200, kills=2, seed=seed)
+    summary = example.story(str(tmp_path), spec, steps=200, kills=2, seed=seed, group_size=2)
     assert summary["steps"] == 200, (seed, summary)
     assert len(summary["kills"]) == 2, (seed, summary)
     # Each restart healed (served batches that did not count) before it took part again.
