@@ -55,9 +55,15 @@ def build(out: Path) -> list[str]:
     import pdoc.render
 
     pdoc.render.configure(docformat="restructuredtext", search=True, show_source=True)
+    names = modules()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pdoc.pdoc(*_roots(modules()), output_directory=out)
+        # Imported first as a user imports them: pdoc runs imports with subprocesses suppressed, and a
+        # dependency's first import may run one (lightning -> tensorboard -> matplotlib builds its font
+        # cache with fc-list), which pdoc turns into a warning about pdoc, not about this package.
+        for name in names:
+            importlib.import_module(name)
+        pdoc.pdoc(*_roots(names), output_directory=out)
     return [f"{w.category.__name__}: {w.message}" for w in caught]
 
 
