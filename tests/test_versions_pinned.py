@@ -115,8 +115,11 @@ def test_a_local_bin_replaced_under_a_job_is_a_named_error_at_worker_start_and_r
     replacement.write_bytes(_other_version(f"{prefix}.bin"))
     os.replace(replacement, f"{prefix}.bin")
     changed = rf"{prefix}\.bin: changed since it was opened"
+    reopened = pickle.loads(pickle.dumps(stream))  # how a spawned worker reopens it: refused at first use
     with pytest.raises(StatefulsetError, match=changed):
-        pickle.loads(pickle.dumps(stream))  # how a spawned worker reopens it
+        reopened.gather(numpy.arange(4))
+    with pytest.raises(StatefulsetError, match=changed):
+        reopened.check_unchanged()
     with pytest.raises(StatefulsetError, match=changed):
         stream.check_unchanged()
     with pytest.raises(StatefulsetError, match=rf"DataLoader worker 0.*{changed}"):
@@ -152,3 +155,57 @@ def test_a_local_bin_rewritten_in_place_mid_run_is_a_named_error_never_other_tok
     with pytest.raises(StatefulsetError, match=changed):  # a worker reads ahead a bounded number of batches
         for _ in range(200):
             assert torch.equal(next(it)["text"], next(reference)["text"])  # the original's, until the error
+
+
+def _replaced_before_workers_start(shard, tmp_path, context: str, body: bytes | None = None):
+    """A loader with 2 ``context`` workers over a copy of ``shard`` whose ``.bin`` is renamed over
+    (by ``body``, else the other version) after the loader opened it, before its workers start."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{shard}{ext}", folder / f"web{ext}")
+    prefix = str(folder / "web")
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+    loader = get_savable_loader(get_train_dataset(_spec(prefix, tmp_path / "cache"), batch_size=4, worker_config=wc),
+                                watchdog_timeout_seconds=120, multiprocessing_context=context)  # fmt: skip
+    replacement = folder / "web.bin.new"
+    replacement.write_bytes(_other_version(f"{prefix}.bin") if body is None else body)
+    os.replace(replacement, f"{prefix}.bin")
+    return loader, prefix
+
+
+@pytest.mark.parametrize("context", ["forkserver", "spawn"])
+def test_a_local_bin_replaced_before_reopening_workers_start_names_the_change(shard, tmp_path, context):
+    """Found by the long campaign (seed 101703, issue 24): a worker that reopens the stream (forkserver,
+    spawn) refused the replaced ``.bin`` while unpickling its dataset, before torch's worker loop, so
+    it died and the trainer said only "DataLoader worker (pid(s) ...) exited unexpectedly". The
+    refusal now waits for the worker's first fetch, which reports it through the batch ring."""
+    loader, prefix = _replaced_before_workers_start(shard, tmp_path, context)
+    with pytest.raises(StatefulsetError, match=rf"DataLoader worker \d.*{prefix}\.bin: changed since it was opened"):
+        next(iter(loader))
+
+
+def test_a_local_bin_replaced_by_one_that_cannot_be_reopened_names_the_change(shard, tmp_path):
+    """Issue 24, a replacement of another size: reopening the stream in the worker fails (the ``.bin``
+    no longer fits its ``.idx``); the worker reports the change, not "exited unexpectedly"."""
+    body = _other_version(f"{shard}.bin")[: os.path.getsize(f"{shard}.bin") // 2]
+    loader, prefix = _replaced_before_workers_start(shard, tmp_path, "forkserver", body)
+    with pytest.raises(StatefulsetError, match=rf"DataLoader worker \d.*{prefix}\.bin: changed since it was opened"):
+        next(iter(loader))
+
+
+def test_an_object_overwritten_before_reopening_workers_start_names_the_change(server, shard, tmp_path, monkeypatch):
+    """Issue 24 as the long campaign found it (seed 101703): the ``.bin`` object overwritten after the
+    loader opened it, before its forkserver workers start."""
+    monkeypatch.setenv("STATEFULSET_REMOTE_CACHE", str(tmp_path / "node"))
+    key = "early/web"
+    upload(server, BUCKET, {f"{key}.bin": f"{shard}.bin", f"{key}.idx": f"{shard}.idx"})
+    url = f"s3://{BUCKET}/{key}"
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+    dataset = get_train_dataset(_spec(url, tmp_path / "cache", server.options()), batch_size=4, worker_config=wc)
+    loader = get_savable_loader(dataset, watchdog_timeout_seconds=120, multiprocessing_context="forkserver")
+    client_s3 = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.key,
+                             aws_secret_access_key=server.secret, region_name="us-east-1")  # fmt: skip
+    client_s3.put_object(Bucket=BUCKET, Key=f"{key}.bin", Body=_other_version(f"{shard}.bin"))
+    with pytest.raises(StatefulsetError, match=rf"DataLoader worker \d.*{url}\.bin: changed since it was opened"):
+        next(iter(loader))

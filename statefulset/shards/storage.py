@@ -51,6 +51,16 @@ def _file_version(info: os.stat_result) -> str:
     return f"inode={info.st_dev}:{info.st_ino}:size={info.st_size}:mtime_ns={info.st_mtime_ns}"
 
 
+def local_version(path: str) -> str | None:
+    """The version :class:`ShardFile` would give the local file ``path`` now; None for object storage
+    or a file that cannot be read."""
+    local = local_path(path)
+    try:
+        return None if local is None else _file_version(os.stat(local))
+    except OSError:
+        return None
+
+
 class ShardFile:
     """One read-only file, local or remote; sizes and reads never go through Python loops."""
 

@@ -20,6 +20,7 @@ from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.one_pass import OnePassBlend
 from statefulset.shards.faults import changed_error
 from statefulset.shards.reader import IndexedDataset
+from statefulset.shards.storage import local_version
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.documents import Pieces, merge_pieces
 from statefulset.streams.provenance import Provenance, explain
@@ -32,12 +33,39 @@ _THIS_AND_NEXT = numpy.array([0, 1], dtype=numpy.int64)
 
 
 def reopen_pinned(reopen: Any, spec: DatasetSpec, split: str, pins: list[tuple[str, str]]) -> SampleStream:
-    """The stream reopened in another process, refused when a ``.bin`` is not the version the first opened."""
-    stream = reopen(spec, split)
+    """The stream reopened in another process, refused when a ``.bin`` is not the version the first opened.
+
+    The refusal (and any failure to reopen) is raised by the stream's first use, not here: this runs
+    while a spawn/forkserver DataLoader worker unpickles its dataset, before torch's worker loop, and an
+    error there kills the worker with nothing reported but "exited unexpectedly" (issue 24). The
+    worker's first fetch calls :meth:`SampleStream.check_unchanged`, which the batch ring reports."""
+    try:
+        stream = reopen(spec, split)
+    except Exception as exc:
+        stream = SampleStream(spec, split, {}, 0, unbounded=False)
+        stream.refused = _unopened(split, pins, exc)
+        return stream
     for (path, opened), dataset in zip(pins, stream.shards, strict=True):
         if dataset.bin_version != opened:
-            raise changed_error(path, opened, dataset.bin_version)
+            stream.refused = changed_error(path, opened, dataset.bin_version)
+            break
     return stream
+
+
+def _unopened(split: str, pins: list[tuple[str, str]], exc: Exception) -> StatefulsetError:
+    """Why the stream could not be reopened: a local ``.bin`` changed since it was opened, else ``exc``."""
+    for path, opened in pins:
+        now = local_version(path)
+        if now is not None and now != opened:
+            error = changed_error(path, opened, now)
+            break
+    else:
+        files = ", ".join(path for path, _ in pins)
+        error = StatefulsetError(
+            f"{split} stream ({files}): reopening it in this process failed: {type(exc).__name__}: {exc}"
+        )
+    error.__cause__ = exc
+    return error
 
 
 class SampleStream:
@@ -74,6 +102,9 @@ class SampleStream:
         # The shards read, set by streams.opening: a worker (forked or reopened) checks that each
         # .bin is still the version opened here, so that no batch mixes tokens of two versions.
         self.shards: list[IndexedDataset] = []
+        # Set by reopen_pinned in a worker process when the stream there is not the one opened here
+        # (a .bin changed, or reopening failed): raised by the stream's first use.
+        self.refused: StatefulsetError | None = None
 
     def __len__(self) -> int:
         return self._length
@@ -81,12 +112,16 @@ class SampleStream:
     def __reduce__(self) -> tuple[Any, ...]:
         # Workers started with spawn/forkserver reopen the stream (cached indices are mmapped)
         # instead of receiving pickled index arrays, and check they reopened the same .bin versions.
+        if self.refused is not None:  # not the stream opened first: never handed on
+            raise self.refused
         pins = [(d.path_prefix + ".bin", d.bin_version) for d in self.shards]
         return (reopen_pinned, (self.reopen, self.spec, self.split, pins))
 
     def check_unchanged(self) -> None:
         """A StatefulsetError naming the first ``.bin`` replaced or rewritten since this stream opened it
         (a ``stat`` per local shard; S3 objects are checked by every read instead)."""
+        if self.refused is not None:
+            raise self.refused
         for dataset in self.shards:
             dataset.check_unchanged()
 
@@ -99,6 +134,8 @@ class SampleStream:
 
     def explain(self, position: int, tokenizer: Any = None) -> Provenance:
         """Where ``self[position]`` came from: split, source, epoch, the pieces it was cut from (docs/provenance.md)."""
+        if self.refused is not None:
+            raise self.refused
         return explain(self, position, tokenizer)
 
     def gather(self, positions: Any, out: numpy.ndarray | None = None) -> numpy.ndarray:
@@ -127,6 +164,8 @@ class SampleStream:
     def _gather(
         self, positions: Any, out: numpy.ndarray | None, want: bool, masks: numpy.ndarray | None = None
     ) -> tuple[numpy.ndarray, Pieces | None]:
+        if self.refused is not None:
+            raise self.refused
         p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
         if p.size and (int(p.min()) < 0 or (not self.unbounded and int(p.max()) >= self._length)):
             bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
