@@ -9,7 +9,10 @@ The README's test command and .ci/run both run it:
 2. the oracle of the exactness tests, pyproject's ``oracle`` extra (megatron-core 0.19.2 and
    triton, which its package import needs). megatron-core declares Python >= 3.12 yet its dataset
    code runs on 3.10 and 3.11, so it goes in with pip's ``--ignore-requires-python --no-deps``;
-   its own dependencies (torch, numpy, packaging) came with step 1.
+   its own dependencies (torch, numpy, packaging) came with step 1;
+3. torchtitan 0.3.0 and datasets 4.7.0, pyproject's ``titan-test`` extra, with ``--no-deps``: their
+   declared pins would move fsspec and s3fs back and make pip backtrack for tens of minutes; the
+   dependencies their imported modules need are in the test extra (step 1).
 
 A failed step stops the script with pip's exit status.
 """
@@ -26,19 +29,25 @@ TORCH = "torch==2.13.0"
 PIP = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 
 
-def oracle_requirements() -> list[str]:
-    """The ``oracle`` extra of pyproject.toml (one line, as written there)."""
+def extra_requirements(name: str) -> list[str]:
+    """The extra ``name`` of pyproject.toml (one line, as written there)."""
     text = (ROOT / "pyproject.toml").read_text()
-    match = re.search(r"^oracle = \[(.*)\]$", text, re.MULTILINE)
+    match = re.search(rf"^{re.escape(name)} = \[(.*)\]$", text, re.MULTILINE)
     if match is None:
-        raise SystemExit("tests/install.py: pyproject.toml has no one-line `oracle = [...]` extra")
+        raise SystemExit(f"tests/install.py: pyproject.toml has no one-line `{name} = [...]` extra")
     return re.findall(r'"([^"]+)"', match.group(1))
+
+
+def oracle_requirements() -> list[str]:
+    """The ``oracle`` extra of pyproject.toml."""
+    return extra_requirements("oracle")
 
 
 def steps() -> list[list[str]]:
     return [
         [*PIP, TORCH, "-e", ".[test]"],
         [*PIP, "--ignore-requires-python", "--no-deps", *oracle_requirements()],
+        [*PIP, "--no-deps", *extra_requirements("titan-test")],
     ]
 
 

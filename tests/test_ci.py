@@ -205,7 +205,8 @@ def test_install_script_installs_the_oracle_as_ci_needs():
     spec = importlib.util.spec_from_file_location("tests_install", TESTS / "install.py")
     install = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(install)
-    project, oracle = install.steps()
+    project, oracle, titan = install.steps()
+    assert titan[-2:] == ["torchtitan==0.3.0", "datasets==4.7.0"] and "--no-deps" in titan
     assert project[:4] == [sys.executable, "-m", "pip", "install"]
     assert "torch==2.13.0" in project and project[-2:] == ["-e", ".[test]"]
     assert oracle[-3:] == ["megatron-core==0.19.2", "triton", "packaging>=24.2"]
