@@ -145,7 +145,58 @@ def request_cpu() -> str:
     return markdown(record) + "\n"
 
 
+def _spread(stat: dict, scale: float = 1.0, digits: int = 0) -> str:
+    low, mid, high = (f"{stat[k] * scale:,.{digits}f}" for k in ("min", "median", "max"))
+    return f"{mid} [{low} .. {high}]"
+
+
+def torchtitan() -> str:
+    """StatefulsetDataLoader against torchtitan's HuggingFaceTextDataLoader (bench_torchtitan.py)."""
+    record = load("bench_torchtitan")
+    if record is None:
+        return missing("bench_torchtitan", "python benchmarks/bench_torchtitan.py")
+    s = record["settings"]
+    runs = len(record["loaders"]["statefulset"]["tokens_per_s"]["runs"])
+    rows = [
+        f"Batches of {s['batch']} x {s['seq_len']} tokens, {s['workers']} workers, {s['batches']} batches a run, "
+        f"{s['documents']:,} documents; median [min .. max] of {runs} runs, each in a fresh process.",
+        "",
+        "| loader | tokens/s | resume to first batch (s) |",
+        "|---|---:|---:|",
+    ]
+    for name, label in (("statefulset", "StatefulsetDataLoader"), ("huggingface", "HuggingFaceTextDataLoader")):
+        loader = record["loaders"][name]
+        rows.append(f"| {label} | {_spread(loader['tokens_per_s'])} | {_spread(loader['resume_seconds'], 1, 3)} |")
+    return "\n".join(rows) + "\n"
+
+
+def torchft() -> str:
+    """FaultTolerantLoader against the plain savable loader (bench_torchft.py)."""
+    record = load("bench_torchft")
+    if record is None:
+        return missing("bench_torchft", "python benchmarks/bench_torchft.py")
+    b, runs = record["batch"], len(record["tokens_per_second_runs"]["plain"])
+    tps, change = record["tokens_per_second"], record["change"]
+    stable = "met" if record["stable_ratio"]["median"] >= 0.90 else "not met"
+    first = "met" if change["ratio"]["median"] <= 2 else "not met"
+    return "\n".join([
+        f"Batches of {b[0]} x {b[1]} tokens, {record['workers']} workers, {record['batches_per_run']} batches a run, "
+        f"a quorum change every {record['change_every']}; median [min .. max] of {runs} runs.",
+        "",
+        "| figure | measured | target |",
+        "|---|---:|---:|",
+        f"| plain savable loader, tokens/s | {_spread(tps['plain'])} | |",
+        f"| FaultTolerantLoader, stable quorum, tokens/s | {_spread(tps['fault_tolerant'])} | |",
+        f"| ratio, stable quorum | {_spread(record['stable_ratio'], 1, 2)} | >= 0.90 ({stable}) |",
+        f"| data time of a normal step (ms) | {_spread(change['normal'], 1000, 2)} | |",
+        f"| data time of the first step after a change (ms) | {_spread(change['first_after_change'], 1000, 1)} | |",
+        f"| ratio, first step after a change | {_spread(change['ratio'], 1, 0)} | <= 2 ({first}) |",
+    ]) + "\n"  # fmt: skip
+
+
 GENERATORS: dict[str, Callable[..., str]] = {
+    "torchtitan": torchtitan,
+    "torchft": torchft,
     "machine": machine,
     "object_storage": object_storage,
     "preprocess_ray": preprocess_ray,
