@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+from pathlib import Path
 
 import boto3
 import numpy
@@ -62,6 +63,15 @@ def _other_version(path: str) -> bytes:
         return bytes(255 - b for b in f.read())
 
 
+def _local_copy(shard, tmp_path) -> str:
+    """A copy of the shard's .bin and .idx that a test may replace or rewrite: its prefix."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(f"{shard}{ext}", folder / f"web{ext}")
+    return str(folder / "web")
+
+
 def _loader(spec: dict, workers: int):
     wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
     return get_savable_loader(get_train_dataset(spec, batch_size=4, worker_config=wc), watchdog_timeout_seconds=120)
@@ -99,11 +109,7 @@ def test_an_object_overwritten_mid_run_is_a_named_error_never_other_tokens(clien
 def test_a_local_bin_replaced_under_a_job_is_a_named_error_at_worker_start_and_reopen(shard, tmp_path):
     """Failed on 5cf6a81: a reopened stream (spawn, forkserver) and a worker started after the replacement
     read the new file's tokens."""
-    folder = tmp_path / "data"
-    folder.mkdir()
-    for ext in (".bin", ".idx"):
-        shutil.copy(f"{shard}{ext}", folder / f"web{ext}")
-    prefix = str(folder / "web")
+    prefix = _local_copy(shard, tmp_path)
     spec = _spec(prefix, tmp_path / "cache")
     stream = open_stream(spec)
     trainer = _loader(spec, workers=0)
@@ -111,7 +117,7 @@ def test_a_local_bin_replaced_under_a_job_is_a_named_error_at_worker_start_and_r
     reference = iter(_loader(_spec(str(shard), tmp_path / "c3"), workers=0))
     first = iter(trainer)
     assert torch.equal(next(first)["text"], next(reference)["text"])
-    replacement = folder / "web.bin.new"
+    replacement = Path(f"{prefix}.bin.new")
     replacement.write_bytes(_other_version(f"{prefix}.bin"))
     os.replace(replacement, f"{prefix}.bin")
     changed = rf"{prefix}\.bin: changed since it was opened"
@@ -134,11 +140,7 @@ def test_a_local_bin_rewritten_in_place_mid_run_is_a_named_error_never_other_tok
     place (same inode, same size) while a loader read it through its memory map gave the new tokens
     with no error, since the version was only checked when a worker started or a pass began. Every
     read is now followed by a ``stat`` of the local files it read, before its rows are handed out."""
-    folder = tmp_path / "data"
-    folder.mkdir()
-    for ext in (".bin", ".idx"):
-        shutil.copy(f"{shard}{ext}", folder / f"web{ext}")
-    prefix = str(folder / "web")
+    prefix = _local_copy(shard, tmp_path)
     spec = _spec(prefix, tmp_path / "cache")
     stream = open_stream(spec)
     positions = numpy.arange(0, 40, 2)
@@ -160,15 +162,11 @@ def test_a_local_bin_rewritten_in_place_mid_run_is_a_named_error_never_other_tok
 def _replaced_before_workers_start(shard, tmp_path, context: str, body: bytes | None = None):
     """A loader with 2 ``context`` workers over a copy of ``shard`` whose ``.bin`` is renamed over
     (by ``body``, else the other version) after the loader opened it, before its workers start."""
-    folder = tmp_path / "data"
-    folder.mkdir()
-    for ext in (".bin", ".idx"):
-        shutil.copy(f"{shard}{ext}", folder / f"web{ext}")
-    prefix = str(folder / "web")
+    prefix = _local_copy(shard, tmp_path)
     wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
     loader = get_savable_loader(get_train_dataset(_spec(prefix, tmp_path / "cache"), batch_size=4, worker_config=wc),
                                 watchdog_timeout_seconds=120, multiprocessing_context=context)  # fmt: skip
-    replacement = folder / "web.bin.new"
+    replacement = Path(f"{prefix}.bin.new")
     replacement.write_bytes(_other_version(f"{prefix}.bin") if body is None else body)
     os.replace(replacement, f"{prefix}.bin")
     return loader, prefix
