@@ -234,6 +234,25 @@ def test_a_killed_worker_ends_the_run_with_a_named_error_and_no_process_left(tmp
         proc.wait()
 
 
+def _terminal_signals() -> None:
+    """In the child before exec: SIGINT and SIGTERM as a terminal's shell leaves them (default, not
+    blocked). A process inherits an ignored or blocked signal from its parent, and in a full run this
+    test process's may have been changed by an earlier test: the run then ignored its SIGINT (seen twice,
+    the main thread's stack still in the pool's wait)."""
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _signal_masks(pid: int) -> str:
+    """The process's blocked and ignored signal masks (Linux /proc), for a failure message."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return ", ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn")))
+    except OSError as exc:
+        return f"no /proc status: {exc}"
+
+
 @pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ctrl_c_or_sigterm_stops_the_run_its_workers_and_its_files(tmp_path, stop, code):
     """Issue 25: after Ctrl-C the progress line said "done", and SIGTERM ended the main process with no
@@ -245,12 +264,14 @@ def test_ctrl_c_or_sigterm_stops_the_run_its_workers_and_its_files(tmp_path, sto
     env = {**os.environ, "STATEFULSET_TEST_GATE": str(gate), "PYTHONFAULTHANDLER": "1"}
     command = [sys.executable, "-m", "statefulset", "preprocess", "--input", str(tmp_path / "in.jsonl"),
                "--output-prefix", str(tmp_path / "out" / "x"), "--workers", "2", "--chunk-bytes", "65536"]  # fmt: skip
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
+                            preexec_fn=_terminal_signals)  # fmt: skip
     workers: list[int] = []
     try:
         _wait_for(lambda: len(children(proc.pid)) >= 2, "the two workers")
         workers = children(proc.pid)
         time.sleep(0.5)  # the workers hold their first units at the gate
+        masks = _signal_masks(proc.pid)
         assert proc.poll() is None, proc.stderr.read()
         proc.send_signal(stop)  # the main process only, as a terminal's Ctrl-C reaches all (workers ignore it)
         try:
@@ -262,7 +283,9 @@ def test_ctrl_c_or_sigterm_stops_the_run_its_workers_and_its_files(tmp_path, sto
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
             stacks = proc.stderr.read() if proc.returncode is not None else "(no exit after SIGABRT)"
-            pytest.fail(f"preprocess did not stop within {BOUND_S:g} s of {stop.name}; its stderr:\n{stacks[-6000:]}")
+            pytest.fail(
+                f"preprocess did not stop within {BOUND_S:g} s of {stop.name} ({masks}); its stderr:\n{stacks[-6000:]}"
+            )
         stderr = proc.stderr.read()
         assert returned == code, stderr
         assert "stopped after" in stderr and "done" not in stderr and "100%" not in stderr, stderr
