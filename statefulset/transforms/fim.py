@@ -20,8 +20,10 @@ The rules are Megatron-LM's (``megatron/training/datasets/fim_dataset.py``, read
   with ``pad_id`` when shorter (only tokenizer mode can shrink a segment).
 
 Randomness comes only from the ``rng`` the loader passes (keyed by spec seed, encoder and
-``sample_id``), drawn in Megatron-LM's order: the rate, the two cut points, the SPM choice.
-How the document fields and ``loss_mask`` follow the permuted pieces: docs/transforms.md.
+``sample_id``), drawn in Megatron-LM's order: the rate, the two cut points, the SPM choice (read
+from its raw stream: :mod:`~statefulset.transforms.fim_draws`). Token mode is index arithmetic
+(:mod:`~statefulset.transforms.fim_tokens`); tokenizer mode runs here. How the document fields and
+``loss_mask`` follow the permuted pieces: docs/transforms.md.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ import numpy
 from statefulset.errors import StatefulsetError
 from statefulset.shards.tokenizers import TokenizerSpec
 from statefulset.streams.documents import Pieces, document_fields
+from statefulset.transforms.fim_draws import CallDraws, RawDraws, draws_of
 from statefulset.transforms.fim_text import TextCodec, text_codec
+from statefulset.transforms.fim_tokens import Gathered, token_fim
 from statefulset.transforms.sample import TokenSample
 
 # One run of output tokens: its tokens, their token-level loss mask (None: the sample has none), and
@@ -44,6 +48,7 @@ from statefulset.transforms.sample import TokenSample
 Run = tuple[numpy.ndarray, "numpy.ndarray | None", numpy.ndarray]
 # Tokens and their mask, before documents are attached.
 Span = tuple[numpy.ndarray, "numpy.ndarray | None"]
+Draws = RawDraws | CallDraws
 
 
 class FillInTheMiddle:
@@ -142,14 +147,22 @@ class FillInTheMiddle:
             mask = numpy.ones(text.size, dtype=numpy.float32)  # padding may come: every sample gets a mask
         docs = _document_of_tokens(sample, text.size)
         tail = _tail_start(text, mask)
-        runs, changed = self._transform(text, mask, docs, tail, rng)
-        if not changed:
+        draws = draws_of(rng)
+        try:
+            if self.codec is None:
+                got = token_fim(self, text, mask, docs, tail, draws)
+            else:
+                runs, changed = self._transform(text, mask, docs, tail, draws)
+                got = _joined(runs) if changed else None
+        finally:
+            draws.finish()  # the generator left as the per-call draws leave it
+        if got is None:
             if mask is None or sample.loss_mask is not None:
                 return sample
             out = copy.copy(sample)
             out.loss_mask = mask[1:].copy()
             return out
-        return self._rebuilt(sample, runs, text.size, _pad_document(docs, tail))
+        return self._rebuilt(sample, got, text.size, _pad_document(docs, tail))
 
     def _transform(
         self,
@@ -157,9 +170,9 @@ class FillInTheMiddle:
         mask: numpy.ndarray | None,
         docs: numpy.ndarray,
         tail: int,
-        rng: numpy.random.Generator,
+        rng: Draws,
     ) -> tuple[list[Run], bool]:
-        """The sample's runs after FIM, in order; whether any segment changed."""
+        """Tokenizer mode: the sample's runs after FIM, in order; whether any segment changed."""
         runs: list[Run] = []
         changed = False
         for start, end in _runs_of(docs[:tail]):
@@ -177,8 +190,7 @@ class FillInTheMiddle:
         """Spans of ``[start, end)``: (a, b, FIM it?); EOD tokens kept in place (Megatron-LM's segments)."""
         if self.eod_id is None:
             return [(start, end, True)]
-        spans = []
-        current = start
+        spans, current = [], start
         for loc in (start + numpy.flatnonzero(text[start:end] == self.eod_id)).tolist():
             if loc > current:
                 spans.append((current, loc, True))
@@ -188,7 +200,7 @@ class FillInTheMiddle:
             spans.append((current, end, True))
         return spans
 
-    def _split_and_permute(self, segment: Span, rng: numpy.random.Generator) -> tuple[list[Span], bool]:
+    def _split_and_permute(self, segment: Span, rng: Draws) -> tuple[list[Span], bool]:
         """One segment, split at ``split_sample`` when it holds that token (Megatron-LM's rule)."""
         tokens, mask = segment
         if self.split_sample is None:
@@ -196,7 +208,7 @@ class FillInTheMiddle:
         breaks = numpy.flatnonzero(tokens == self.split_sample).tolist()
         if not breaks:
             return self._permute(segment, self.rate, rng)
-        if not rng.binomial(1, self.rate):
+        if not rng.binomial(self.rate):
             return [segment], False
         spans: list[Span] = []
         changed = False
@@ -212,40 +224,32 @@ class FillInTheMiddle:
             current = loc + 1
         return spans, changed
 
-    def _permute(self, segment: Span, rate: float, rng: numpy.random.Generator) -> tuple[list[Span], bool]:
-        """FIM one segment with probability ``rate``: ([its spans], changed)."""
+    def _permute(self, segment: Span, rate: float, rng: Draws) -> tuple[list[Span], bool]:
+        """Tokenizer mode: FIM one segment with probability ``rate``: ([its spans], changed)."""
         tokens, mask = segment
         codec = self.codec
-        if codec is not None and mask is not None and mask.size and mask.min() != mask.max():
+        assert codec is not None  # token mode: statefulset.transforms.fim_tokens
+        if mask is not None and mask.size and mask.min() != mask.max():
             return [segment], False  # a per-token mask cannot follow a character cut: left as it is
-        if not rng.binomial(1, rate):
+        if not rng.binomial(rate):
             return [segment], False
-        if codec is None:
-            if isinstance(self.no_prefix, tuple) and _starts_with(tokens, self.no_prefix):
-                return [segment], False
-            lo, hi = sorted(rng.integers(0, tokens.size + 1, size=2).tolist())
-            pieces = [(tokens[:lo], _part(mask, 0, lo)), (tokens[lo:hi], _part(mask, lo, hi))]
-            pieces.append((tokens[hi:], _part(mask, hi, tokens.size)))
-            sentinel = 1.0 if mask is None or mask.size == 0 else float(mask.max())
-        else:
-            contents = codec.decode(tokens)
-            if isinstance(self.no_prefix, str) and contents.startswith(self.no_prefix):
-                return [segment], False
-            if isinstance(self.no_prefix, tuple) and _starts_with(tokens, self.no_prefix):
-                return [segment], False
-            lo, hi = sorted(rng.integers(0, len(contents) + 1, size=2).tolist())
-            value = 1.0 if mask is None or mask.size == 0 else float(mask[0])
-            encoded = [codec.encode(contents[:lo]), codec.encode(contents[lo:hi]), codec.encode(contents[hi:])]
-            pieces = [(t, None if mask is None else numpy.full(t.size, value, dtype=numpy.float32)) for t in encoded]
-            sentinel = value
-        return [self._layout(pieces, sentinel, mask is not None, rng)], True
+        contents = codec.decode(tokens)
+        if isinstance(self.no_prefix, str) and contents.startswith(self.no_prefix):
+            return [segment], False
+        if isinstance(self.no_prefix, tuple) and _starts_with(tokens, self.no_prefix):
+            return [segment], False
+        lo, hi = sorted(rng.pair(len(contents)))
+        value = 1.0 if mask is None or mask.size == 0 else float(mask[0])
+        encoded = [codec.encode(contents[:lo]), codec.encode(contents[lo:hi]), codec.encode(contents[hi:])]
+        pieces = [(t, None if mask is None else numpy.full(t.size, value, dtype=numpy.float32)) for t in encoded]
+        return [self._layout(pieces, value, mask is not None, rng)], True
 
-    def _layout(self, pieces: list[Span], sentinel: float, masked: bool, rng: numpy.random.Generator) -> Span:
+    def _layout(self, pieces: list[Span], sentinel: float, masked: bool, rng: Draws) -> Span:
         """PSM ``<P> prefix <S> suffix <M> middle`` or SPM ``<P> <S> suffix <M> prefix middle``."""
         (prefix, prefix_mask), (middle, middle_mask), (suffix, suffix_mask) = pieces
         pre, mid, suf = ([self.prefix_id], [self.middle_id], [self.suffix_id])
         one = numpy.array([sentinel], dtype=numpy.float32)
-        if rng.binomial(1, self.spm_rate):
+        if rng.binomial(self.spm_rate):
             order = [pre, suf, suffix, mid, prefix, middle]
             masks = [one, one, suffix_mask, one, prefix_mask, middle_mask]
         else:
@@ -254,12 +258,9 @@ class FillInTheMiddle:
         tokens = numpy.concatenate([numpy.asarray(t, dtype=numpy.int64) for t in order])
         return tokens, numpy.concatenate(masks).astype(numpy.float32) if masked else None  # type: ignore[arg-type]
 
-    def _rebuilt(self, sample: TokenSample, runs: list[Run], width: int, pad_doc: int) -> TokenSample:
-        """The sample from its runs: cut or padded to ``width`` tokens, its fields following the pieces."""
-        tokens = numpy.concatenate([r[0] for r in runs]).astype(numpy.int64)
-        docs = numpy.concatenate([r[2] for r in runs])
-        masked = runs[0][1] is not None
-        mask = numpy.concatenate([r[1] for r in runs]).astype(numpy.float32) if masked else None  # type: ignore[misc]
+    def _rebuilt(self, sample: TokenSample, got: Gathered, width: int, pad_doc: int) -> TokenSample:
+        """The sample from its FIM'd tokens: cut or padded to ``width`` tokens, its fields following the pieces."""
+        tokens, mask, docs = got
         if tokens.size > width:
             tokens, docs = tokens[:width], docs[:width]
             mask = None if mask is None else mask[:width]
@@ -277,6 +278,15 @@ class FillInTheMiddle:
         if sample.cu_seqlens is not None:
             _set_document_fields(out, sample, docs, width - 1)
         return out
+
+
+def _joined(runs: list[Run]) -> Gathered:
+    """Tokenizer mode's runs as one array of tokens, of mask values (or None) and of documents."""
+    tokens = numpy.concatenate([r[0] for r in runs]).astype(numpy.int64)
+    docs = numpy.concatenate([r[2] for r in runs])
+    masked = runs[0][1] is not None
+    mask = numpy.concatenate([r[1] for r in runs]).astype(numpy.float32) if masked else None  # type: ignore[misc]
+    return tokens, mask, docs
 
 
 def _set_document_fields(out: TokenSample, sample: TokenSample, docs: numpy.ndarray, seq_length: int) -> None:
