@@ -233,8 +233,8 @@ def _rank(args: argparse.Namespace, rank: int, store, log: int) -> None:
         os.write(log, (json.dumps({"event": "commit", **outcome}) + "\n").encode())
         if isinstance(loader, SamplerBatches):
             _write_int(saved, loader.taken)  # the per-step loader checkpoint of the comparison
-    # The workers of plans dropped on a quorum change are gone (joined on their own thread): only the
-    # current plan's are left.
+    # The loader's workers are forked once and re-targeted at each quorum change: no more than
+    # its own are left.
     deadline = time.monotonic() + 30
     while len(multiprocessing.active_children()) > args.workers * args.group_size and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -461,9 +461,9 @@ def story(
         assert steps_at.get(served["step"]) == served["committed_before"], "a failed step was not served again"
     assert not summary["zeroed"], f"replica-batches counted with zeroed gradients: {summary['zeroed']}"
     assert summary["duplicated"] == 0 and summary["holes"] == 0, summary
-    most = workers * group_size  # the current plan's workers of each rank
+    most = workers * group_size  # the loader's own workers, of each rank
     left = {r["replica"]: r["children"] for r in records if r["event"] == "final" and r["children"] > most}
-    assert not left, f"DataLoader workers of dropped plans still alive at the end, per replica: {left}"
+    assert not left, f"more DataLoader workers than the loader's own alive at the end, per replica: {left}"
     return summary
 
 

@@ -6,10 +6,13 @@ commit made to fail on every replica. Exactly once is checked from what each rep
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
+import multiprocessing
 import os
 import random
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -134,3 +137,75 @@ def test_bad_arguments_are_refused(spec, replica):
         FaultTolerantLoader(ds, replica.manager, prefetch_factor=0)
     with pytest.raises(StatefulsetError, match="worker_config"):
         FaultTolerantLoader(ds, replica.manager, worker_config=wc)
+
+
+class ScriptedQuorum:
+    """Answers what FaultTolerantLoader asks a torchft Manager, as torchft does, for quorums the test
+    scripts (no lighthouse: the quorum changes exactly at the step the test chose): each commit adds
+    the participants to ``batches_committed``; a failed one adds nothing."""
+
+    def __init__(self, participants: int, rank: int) -> None:
+        self.participants, self.rank, self.step, self.committed = participants, rank, 0, 0
+
+    def start_quorum(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def participating_rank(self) -> int:
+        return self.rank
+
+    def is_participating(self) -> bool:
+        return True
+
+    def batches_committed(self) -> int:
+        return self.committed
+
+    def current_step(self) -> int:
+        return self.step
+
+    def commit(self, ok: bool = True) -> None:
+        if ok:
+            self.step += 1
+            self.committed += self.participants
+
+
+def _wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(0.01)
+
+
+def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale_prefetch(spec):
+    """Quorums 3 -> 2 -> 3 -> 1 participants (the rank moving), a failed commit in between: the same
+    two worker processes serve the whole run (no fork at a change), and every row served is the
+    dataset's row at the position the quorum places it (text compared), although at each change the
+    workers held batches built for the old plan (gated: the change waits until they have built ahead)."""
+    quorum = ScriptedQuorum(3, 1)
+    wc = WorkerConfig(rank=1, world_size=2, num_workers=2)  # rank 1 of a replica group of 2
+    ds = get_train_dataset(spec, batch_size=3, worker_config=wc)
+    loader = FaultTolerantLoader(ds, quorum, prefetch_factor=2)
+    script = [(3, 1)] * 6 + [(2, 0)] * 6 + [(3, 2)] * 6 + [(1, 0)] * 5
+    pids = None
+    for step, (participants, rank) in enumerate(script):
+        if (participants, rank) != (quorum.participants, quorum.rank):
+            pool = loader.workers
+            _wait_for(lambda pool=pool: pool.built_ahead() >= 2, 60, "the workers to build the old plan ahead")
+        quorum.participants, quorum.rank = participants, rank
+        batch = next(loader)
+        n = loader.last.replica_batch
+        assert n == quorum.committed + rank
+        ids = batch["sample_id"].tolist()
+        assert ids == [(n * 2 + 1) * 3 + j for j in range(3)]  # (n·W + r)·B + j
+        for j, p in enumerate(ids):
+            assert torch.equal(batch["text"][j], torch.as_tensor(ds[p]["text"])), (step, n, p)
+        pids = pids or loader.worker_pids()
+        assert loader.worker_pids() == pids and len(pids) == 2, step
+        quorum.commit(ok=step != 14)  # step 14 fails: the same rows at step 15
+    assert loader.workers.discarded > 0  # the old plans' prefetch was there, and dropped
+    assert sorted(p.pid for p in multiprocessing.active_children()) == sorted(pids)
+    del loader, batch, pool
+    gc.collect()
+    _wait_for(lambda: not multiprocessing.active_children(), 30, "the dropped loader's workers to exit")

@@ -32,7 +32,7 @@ raises one ``StatefulsetError`` naming the worker and the batch, not a worker tr
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy
@@ -233,6 +233,40 @@ class BatchSource(IterableDataset):
                 yield self._send_encoded(ring, worker, bundles, pending)
         except Exception as exc:  # reported by the trainer, naming this worker and batch
             yield "error", worker, t, f"{type(exc).__name__}: {exc}"
+
+    def fill(
+        self, ring: BatchRing, worker: int, slot: int, numbers: range, stale: Callable[[], bool]
+    ) -> tuple[Any, ...] | None:
+        """Batches ``numbers`` (at most ``ring.bundle``) into slot ``slot`` of ``worker``, in a worker
+        process: the note :func:`receive` takes, or None when ``stale()`` turned true before a batch
+        (a worker pool re-targeted mid-bundle: statefulset.integrations.torchft). Errors as the ring's."""
+        t = None
+        try:
+            depth = read_ahead_depth() if self.stream.remote else 0
+            dtype = numpy.int64 if self.encoder is not None else ring.dtype
+            built = read_ahead(lambda t: self._build(t, dtype=dtype), numbers, depth) if depth else None
+            pending: list[Any] = []
+            view = ring.view(worker, slot)
+            if self.encoder is None:
+                ring.begin(worker, slot, numbers[0])
+            for i, t in enumerate(numbers):
+                if stale():
+                    if built is not None:
+                        built.close()  # its read-ahead threads stop
+                    return None
+                rows = next(built)[1] if built is not None else None
+                if self.encoder is not None:
+                    pending.append((t, self.encoded(t, rows)))
+                elif rows is None:
+                    self._build(t, out={name: array[i] for name, array in view.items()})
+                else:
+                    for name, value in rows.result().items():
+                        view[name][i][...] = value
+            if self.encoder is not None:
+                return self._send_encoded(ring, worker, slot, pending)
+            return _sent(ring, worker, slot, numbers[0], len(numbers))
+        except Exception as exc:  # reported by the trainer, naming this worker and batch
+            return "error", worker, t, f"{type(exc).__name__}: {exc}"
 
     def _send_encoded(self, ring: BatchRing, worker: int, bundles: int, pending: list[Any]) -> tuple[Any, ...]:
         first, batches = pending[0][0], [batch for _, batch in pending]

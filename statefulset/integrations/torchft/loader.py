@@ -17,27 +17,30 @@ replica-batch ``C + k``, which its gradients (zeroed by torchft) never count.
 
 Prefetch: with ``k`` participants and rank ``i`` the replica's next steps are ``C+i, C+i+k,
 C+i+2k, ...`` as long as the quorum holds and every step commits: that is DP rank ``r`` of a
-layout of DP size ``k·W`` placed at ``(C+i)·W·B``, so an ordinary :class:`~statefulset.loading.loader.SavableLoader`
-over it builds them ahead in its workers (a *plan*). When the step asks for another replica-batch
-(the quorum changed, a commit failed, the replica healed), the trainer process builds it at once and,
-unless the plan still holds for the step after, a new plan starts after it (its workers forked now)
-and the old plan's workers are stopped on a thread of their own. No state of its own: the
-manager's is the cursor.
+layout of DP size ``k·W`` placed at ``(C+i)·W·B`` (a *plan*), which persistent worker processes
+build ahead (:mod:`statefulset.integrations.torchft.pool`). When a step asks for another
+replica-batch (the quorum changed, a commit failed, the replica healed), it is built at once in the
+trainer process; when the plan no longer holds for the step after (the quorum changed), the same
+workers are re-targeted in place to the new plan, and what they prefetched for the old one is
+discarded, never served. No state of its own: the manager's is the cursor.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
-import threading
 from typing import Any, NamedTuple
 
 import numpy
+import torch
 
 from statefulset.errors import StatefulsetError
+from statefulset.integrations.torchft.pool import Options, PlanWorkers
+from statefulset.loading.batches import BatchSource, receive
 from statefulset.loading.datasets import StreamDataset
-from statefulset.loading.loader import SavableLoader, get_savable_loader
-from statefulset.loading.worker_config import WorkerConfig
+from statefulset.loading.encoded import pin
+from statefulset.loading.loader import get_savable_loader
+from statefulset.loading.state import Cursor
+from statefulset.loading.watchdog import InProcessSource
 
 _log = logging.getLogger("statefulset")
 
@@ -67,10 +70,32 @@ class Served(NamedTuple):
     counted: bool
 
 
-class _Plan(NamedTuple):
-    loader: SavableLoader
-    next_batch: int  # the replica-batch its next item holds
-    stride: int
+class _Builder:
+    """Replica-batches built in the trainer process, one per request (no worker to wait for).
+
+    On a helper thread while the watchdog is on (:class:`~statefulset.loading.watchdog.InProcessSource`),
+    so that the wait for a stalled read stays bounded; it holds the dataset, not the loader, so
+    that the thread ends when the loader is dropped.
+    """
+
+    def __init__(self, dataset: StreamDataset) -> None:
+        self.dataset = dataset
+        stream = dataset.stream
+        self.wrap = None if stream.unbounded or not dataset.repeat else len(stream)
+        self.wanted: list[int] = []
+
+    def build(self, n: int) -> Any:
+        d = self.dataset
+        wc, b = d.worker_config, d.batch_size
+        cursor = Cursor(n * wc.world_size * b, 0, wc.rank, wc.world_size, b)
+        source = BatchSource(d.stream, cursor, 1, self.wrap, None, d.document_boundaries, d.encoder)
+        return receive(source, next(iter(source)), 0)[0]
+
+    def __iter__(self) -> _Builder:
+        return self
+
+    def __next__(self) -> Any:
+        return self.build(self.wanted.pop())
 
 
 class FaultTolerantLoader:
@@ -103,8 +128,13 @@ class FaultTolerantLoader:
         self.dataset = dataset
         self.manager = manager
         self.loader_options = dict(loader_options)
-        get_savable_loader(self._dataset(0, 1, 0), **self.loader_options)  # refuse bad options now
-        self._plan: _Plan | None = None
+        get_savable_loader(dataset, **self.loader_options)  # refuse bad options now
+        self._options = Options.of(self.loader_options)
+        self._workers: PlanWorkers | None = None  # forked at the first plan, re-targeted after
+        self._plan: tuple[int, int] | None = None  # (the replica-batch the plan's next batch holds, stride)
+        self._builder = _Builder(dataset)
+        watched = self._options.watchdog.timeout is not None
+        self._in_process = InProcessSource(self._builder, "statefulset-torchft-build") if watched else None
         self.last: Served | None = None  # what the last next() handed out
 
     # -- the layout -----------------------------------------------------------------------------
@@ -122,26 +152,20 @@ class FaultTolerantLoader:
         first = (replica_batch * w + self.group_rank) * b
         return numpy.arange(first, first + b, dtype=numpy.int64)
 
-    def _dataset(self, rank: int, world_size: int, workers: int) -> StreamDataset:
-        """The dataset with another layout (the stream, encoder and options shared)."""
-        wc = self.dataset.worker_config
-        other = copy.copy(self.dataset)
-        other.worker_config = WorkerConfig(
-            rank=rank, world_size=world_size, num_workers=workers,
-            data_parallel_group=None, seed_offset=wc.seed_offset,
-        )  # fmt: skip
-        return other
+    def _build(self, n: int) -> Any:
+        """Replica-batch ``n`` built here, in the trainer process (on the helper thread, watched)."""
+        self._builder.wanted.append(n)
+        if self._in_process is None:
+            batch = next(self._builder)
+        else:
+            what = f"the trainer process was building replica-batch {n} (stream positions from {self.positions(n)[0]})"
+            batch = self._options.watchdog.wait(self._in_process.get, False, lambda: what)
+        return pin(batch) if self._options.pin_memory and torch.cuda.is_available() else batch
 
-    def _loader(self, first: int, stride: int, workers: int) -> SavableLoader:
-        """Replica-batches ``first, first+stride, ...`` of this rank: DP rank r of DP size stride·W at first·W·B."""
-        w, b = self.group_size, self.dataset.batch_size
-        loader = get_savable_loader(self._dataset(self.group_rank, stride * w, workers), **self.loader_options)
-        loader.restore_consumed_samples(first * w * b)
-        return loader
-
-    def _build(self, replica_batch: int) -> Any:
-        """One replica-batch built here, in the trainer process (no worker to wait for)."""
-        return next(iter(self._loader(replica_batch, 1, 0)))
+    def _ended(self, n: int) -> bool:
+        """Whether replica-batch ``n`` lies past the end of a stream that does not repeat."""
+        d = self.dataset
+        return not d.repeat and not d.stream.unbounded and (n + 1) * self.group_size * d.batch_size > len(d.stream)
 
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> FaultTolerantLoader:
@@ -163,6 +187,8 @@ class FaultTolerantLoader:
             n = committed + participants
             self.last = Served(step, n, None, participants, committed, False)
             _log.info("torchft step %d: this replica is not participating; replica-batch %d is not counted", step, n)
+            if self._ended(n):
+                raise StopIteration
             return self._build(n)
         # Counted in num_participants() even when its gradients are zeroed (torchft's init_sync at step 0).
         n = committed + rank
@@ -170,32 +196,44 @@ class FaultTolerantLoader:
         return self._serve(n, participants)
 
     def _serve(self, n: int, stride: int) -> Any:
-        plan = self._plan
-        if plan is not None and plan.next_batch == n and plan.stride == stride:
-            batch = next(plan.loader)
-            self._plan = plan._replace(next_batch=n + stride)
-            return batch
+        if self._ended(n):
+            raise StopIteration
+        workers = self.dataset.worker_config.num_workers
+        if self._plan == (n, stride):
+            self._plan = (n + stride, stride)
+            return self._workers.next()  # type: ignore[union-attr]
         # Another replica-batch than the plan guessed: built here now. The plan goes on when it
-        # still holds for the next step (a failed commit: the same step again); else a new plan's
-        # workers start building the next steps, and the old plan's stop.
-        if plan is None or plan.next_batch != n + stride or plan.stride != stride:
-            if plan is not None:
+        # still holds for the next step (a failed commit: the same step again); else the workers
+        # are re-targeted in place to the new plan and what they built for the old one is dropped.
+        if workers and self._plan != (n + stride, stride):
+            if self._plan is not None:
                 _log.info(
                     "torchft: the quorum moved this replica from replica-batch %d (stride %d) to %d (stride %d); "
                     "prefetched batches dropped",
-                    plan.next_batch, plan.stride, n, stride,
+                    *self._plan, n, stride,
                 )  # fmt: skip
-            # The old plan is dropped on a thread of its own: its workers finish the batch in hand and
-            # are joined there (torch bounds each join), off the trainer's way to this batch.
-            box = [plan] if plan is not None else []
-            self._plan = None
-            del plan
-            if box:
-                threading.Thread(target=box.clear, name="statefulset-torchft-release", daemon=True).start()
-            loader = self._loader(n + stride, stride, self.dataset.worker_config.num_workers)
-            iter(loader)  # starts the workers
-            self._plan = _Plan(loader, n + stride, stride)
+            if self._workers is None:
+                self._workers = PlanWorkers(self.dataset, self._options)
+            b, w = self.dataset.batch_size, self.group_size
+            self._workers.retarget((n + stride) * w * b, stride * w)
+            self._plan = (n + stride, stride)
         return self._build(n)
+
+    @property
+    def workers(self) -> PlanWorkers | None:
+        """The persistent workers (None before the first plan or with ``num_workers=0``): their
+        ``pids()``, the same for the loader's life, and ``discarded``, results of dropped plans."""
+        return self._workers
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the DataLoader workers (the same for the loader's whole life)."""
+        return self._workers.pids() if self._workers is not None else []
+
+    def close(self) -> None:
+        """Stop the workers now (dropping the loader does too)."""
+        workers, self._workers, self._plan = self._workers, None, None
+        if workers is not None:
+            workers.close()
 
     def __repr__(self) -> str:
         return (
