@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 
 from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset, get_val_dataset
 from statefulset.errors import StatefulsetError
+from statefulset.index import compiled
 from statefulset.spec.splits import SPLITS
-from statefulset.streams.documents import Pieces, document_fields, gather_fields
+from statefulset.streams.documents import Pieces, document_fields, fields_from_wire, gather_fields, to_wire
 from statefulset.streams.opening import open_stream
 
 builder_module = oracle.module("megatron.core.datasets.blended_megatron_dataset_builder")
@@ -210,6 +211,102 @@ def test_vectorised_rule_equals_megatron_core_per_row(case):
         got = document_fields(pieces, seq_length, native=native)
         for name in ("cu_seqlens", "max_seqlen", "position_ids"):
             numpy.testing.assert_array_equal(got[name], numpy.stack([e[name] for e in expected]), err_msg=name)
+
+
+@settings(max_examples=200, deadline=None)
+@given(piece_rows(), st.integers(1, 3))
+def test_fields_from_the_wire_equal_the_fields(case, count):
+    """What a worker sends (its pieces) gives the trainer the fields document_fields gives, kernel or numpy."""
+    seq_length, rows = case
+    pieces = Pieces(
+        numpy.array([len(p) for p, _ in rows]),
+        numpy.array([n for p, _ in rows for n in p], dtype=numpy.int64),
+        numpy.array([seq_length + 1 - pad for _, pad in rows]),
+    )
+    b = len(rows)
+    wire = numpy.full((count, b, seq_length + 3), -7, dtype=numpy.int64)  # garbage past the pieces
+    try:
+        expected = document_fields(pieces, seq_length, native=False)
+    except StatefulsetError as exc:
+        message = str(exc).split(": ", 1)[1]
+        with pytest.raises(StatefulsetError, match=message.split(" (")[0]):
+            to_wire(pieces, wire[0], seq_length)
+            fields_from_wire(wire[:1], seq_length, _empty_out(1, b, seq_length), lambda i: numpy.arange(b))
+        return
+    for i in range(count):
+        to_wire(pieces, wire[i], seq_length)
+    for native in (True, False):
+        out = _empty_out(count, b, seq_length)
+        fields_from_wire(wire, seq_length, out, lambda i: numpy.arange(b), native=native)
+        for name in ("cu_seqlens", "max_seqlen", "position_ids"):
+            for i in range(count):
+                numpy.testing.assert_array_equal(out[name][i], expected[name], err_msg=name)
+
+
+def _empty_out(count, rows, seq_length):
+    return {
+        "cu_seqlens": numpy.full((count, rows, seq_length + 1), -1, dtype=numpy.int32),
+        "max_seqlen": numpy.full((count, rows), -1, dtype=numpy.int32),
+        "position_ids": numpy.full((count, rows, seq_length), -1, dtype=numpy.int64),
+    }
+
+
+def test_a_broken_row_from_the_wire_names_its_sample():
+    """A row the kernel refuses in the trainer is reported as the numpy rule reports it, naming its position."""
+    wire = numpy.zeros((2, 2, 6), dtype=numpy.int64)
+    good = Pieces(numpy.array([1, 2]), numpy.array([4, 2, 2]), numpy.array([4, 4]))
+    bad = Pieces(numpy.array([1, 2]), numpy.array([4, 4, 0]), numpy.array([4, 4]))  # an empty last piece
+    to_wire(good, wire[0], 3)
+    to_wire(bad, wire[1], 3)
+    for native in (True, False):
+        with pytest.raises(StatefulsetError, match="sample at position 71: its last document piece is empty"):
+            fields_from_wire(wire, 3, _empty_out(2, 2, 3), lambda i: numpy.array([[50, 51], [70, 71]][i]), native)
+
+
+@pytest.fixture(params=["kernels", "numpy"])
+def kernels_or_numpy(request, monkeypatch):
+    """Both ways of computing the fields, in the trainer and in its (forked) workers."""
+    if request.param == "numpy":
+        monkeypatch.setenv("STATEFULSET_KERNELS", "0")
+    compiled._reset()
+    yield request.param
+    monkeypatch.undo()
+    compiled._reset()
+
+
+@pytest.mark.parametrize("packing", ["megatron", "native", "bestfit"])
+def test_boundaries_through_workers_equal_in_process_and_after_restore(corpus, packing, kernels_or_numpy):
+    """Batches from 2 workers (pieces on the wire, fields made in the trainer) equal ``ds[p]`` and the
+    in-process loader's, field for field and dtype for dtype, and so do those of a restored loader."""
+    spec = {
+        "data_path": {corpus[0]: 0.5, corpus[2]: 0.5},
+        "seq_length": 40,
+        "packing": packing,
+        "split": "1",
+        "num_samples": 400,
+    }
+
+    def loader(workers):
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
+        ds = get_train_dataset(spec, batch_size=5, worker_config=wc, document_boundaries=True)
+        return ds, get_savable_loader(ds)
+
+    assert compiled.available() == (kernels_or_numpy == "kernels")
+    ds, local = loader(0)
+    expected = [batch for _, batch in zip(range(9), local, strict=False)]
+    _, first = loader(2)
+    got = [batch for _, batch in zip(range(4), first, strict=False)]
+    _, restored = loader(2)
+    restored.load_state_dict(first.state_dict())
+    got += [batch for _, batch in zip(range(5), restored, strict=False)]
+    for ours, theirs in zip(got, expected, strict=True):
+        assert list(ours) == list(theirs)
+        for name, value in theirs.items():
+            assert ours[name].dtype == value.dtype and ours[name].shape == value.shape, name
+            numpy.testing.assert_array_equal(ours[name].numpy(), value.numpy(), err_msg=name)
+        for j, p in enumerate(ours["sample_id"].tolist()):
+            for name, value in ds[p].items():
+                numpy.testing.assert_array_equal(ours[name][j].numpy(), value, err_msg=name)
 
 
 @pytest.mark.parametrize("packing", ["megatron", "native", "bestfit"])

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SF_KERNELS_ABI 5
+#define SF_KERNELS_ABI 6
 
 /* The walk reads lengths[] at random (one read per document_index entry): ask for the entry
  * SF_PREFETCH_AHEAD positions on early. Only a hint, it never changes a result; ~30% faster on
@@ -504,6 +504,25 @@ int64_t sf_document_fields(const int64_t *packed, int64_t num_packed, int64_t ro
         memcpy(c + segments + 1, fill, (size_t)(seq_length - segments) * sizeof(int32_t));
         max_out[r] = (int32_t)longest;
         at += n;
+    }
+    return 0;
+}
+
+/*
+ * sf_document_fields over `batches` batches of `rows` rows each, as they travel from a DataLoader
+ * worker (statefulset.streams.documents.fields_from_wire): batch b's packed input (counts, used,
+ * lengths) at wire + b * stride, its outputs at cu + b * rows * (seq_length + 1), max_out + b * rows
+ * and pos + b * rows * seq_length. One call per bundle of batches: the trainer's copy out of the ring.
+ * Returns 0, or sf_document_fields's code for row b * rows + r (same sign); -1 for bad arguments.
+ */
+int64_t sf_document_fields_batches(const int64_t *wire, int64_t batches, int64_t stride, int64_t rows,
+                                   int64_t seq_length, int32_t *cu, int32_t *max_out, int64_t *pos,
+                                   const int64_t *iota, const int32_t *fill) {
+    if (batches < 0 || rows < 0 || seq_length < 1 || seq_length >= INT32_MAX || stride < 2 * rows) return -1;
+    for (int64_t b = 0; b < batches; b++) {
+        int64_t code = sf_document_fields(wire + b * stride, stride, rows, seq_length, cu + b * rows * (seq_length + 1),
+                                          max_out + b * rows, pos + b * rows * seq_length, iota, fill);
+        if (code != 0) return code > 0 ? code + b * rows : code - b * rows;
     }
     return 0;
 }

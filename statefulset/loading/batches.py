@@ -45,7 +45,7 @@ from statefulset.loading.read_ahead import read_ahead, read_ahead_depth
 from statefulset.loading.state import Cursor
 from statefulset.shards import storage_stats
 from statefulset.streams.base import SampleStream
-from statefulset.streams.documents import FieldSpec, gather_fields
+from statefulset.streams.documents import WIRE, FieldSpec, fields_from_wire, gather_fields
 from statefulset.streams.provenance import source_prefixes
 
 # A worker sends batches in bundles of about this many bytes: each DataLoader round trip (index
@@ -189,20 +189,25 @@ class BatchSource(IterableDataset):
                 yield t
 
     def _build(
-        self, t: int, out: dict[str, numpy.ndarray] | None = None, dtype: Any = numpy.int64
+        self, t: int, out: dict[str, numpy.ndarray] | None = None, dtype: Any = numpy.int64, wire: bool = False
     ) -> dict[str, numpy.ndarray]:
-        """Every field of batch ``t``, into ``out``'s arrays when given (``text`` in ``dtype`` otherwise)."""
+        """Every field of batch ``t``, into ``out``'s arrays when given (``text`` in ``dtype`` otherwise;
+        ``wire``: the document fields as their pieces, :data:`WIRE`)."""
         positions = self.positions(t)
         if out is None:
             out = {"text": numpy.empty((positions.size, self.stream.seq_length + 1), dtype=dtype)}
+            if wire and self.boundaries:
+                out[WIRE] = numpy.empty((positions.size, self.stream.seq_length + 3), dtype=numpy.int64)
         return gather_fields(self.stream, positions, self.boundaries, out)
 
-    def batches(self, dtype: Any, worker: int = 0, workers: int = 1, bundle: int = 1) -> Iterator[tuple[int, Any]]:
+    def batches(
+        self, dtype: Any, worker: int = 0, workers: int = 1, bundle: int = 1, wire: bool = False
+    ) -> Iterator[tuple[int, Any]]:
         """``(t, rows)`` in order; rows is an array, or a future of one when reading ahead (remote data)."""
         numbers = self._numbers(worker, workers, bundle)
         depth = read_ahead_depth() if self.stream.remote else 0
         if depth:
-            yield from read_ahead(lambda t: self._build(t, dtype=dtype), numbers, depth)
+            yield from read_ahead(lambda t: self._build(t, dtype=dtype, wire=wire), numbers, depth)
         else:
             for t in numbers:
                 yield t, None  # built by the caller, straight into its buffer
@@ -323,7 +328,8 @@ class BatchSource(IterableDataset):
             self.stream.check_unchanged()  # a worker (re)started: the .bin files are still the ones opened
             bundles = 0
             filled, first = 0, None
-            for t, rows in self.batches(ring.dtype, info.id, info.num_workers, ring.bundle):
+            wire = any(field.name == WIRE for field in ring.fields)
+            for t, rows in self.batches(ring.dtype, info.id, info.num_workers, ring.bundle, wire):
                 view = ring.view(info.id, bundles % ring.slots)
                 if first is not None and t != first + filled:  # the next bundle began: send this one
                     yield _sent(ring, info.id, bundles % ring.slots, first, filled)
@@ -373,6 +379,9 @@ def receive(source: BatchSource, item: Any, expected: int) -> list[Any]:
         view = ring.view(worker, slot)
         batches: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
         for name, array in view.items():
+            if name == WIRE:  # the document fields, computed here from their pieces
+                _receive_documents(source, (worker, slot), batches, array[:count], t)
+                continue
             # Copied out of the slot now (text widened to int64): the worker may refill it once we
             # ask for more.
             dtype = torch.int64 if name == "text" else _TORCH_DTYPES[array.dtype]
@@ -389,6 +398,27 @@ def receive(source: BatchSource, item: Any, expected: int) -> list[Any]:
     for i, batch in enumerate(batches):
         batch["sample_id"] = torch.from_numpy(source.cursor.positions(t + i))
     return batches
+
+
+def _receive_documents(
+    source: BatchSource, where: tuple[int, int], batches: list[dict[str, torch.Tensor]], wire: numpy.ndarray, t: int
+) -> None:
+    """``cu_seqlens``, ``max_seqlen`` and ``position_ids`` of the bundle's batches, from the pieces in
+    slot ``where`` (worker, slot): one kernel call writes them, in place of three copies out of the slot."""
+    count, rows, seq_length = wire.shape[0], wire.shape[1], source.stream.seq_length
+    made = {
+        "cu_seqlens": torch.empty((count, rows, seq_length + 1), dtype=torch.int32),
+        "max_seqlen": torch.empty((count, rows), dtype=torch.int32),
+        "position_ids": torch.empty((count, rows, seq_length), dtype=torch.int64),
+    }
+    try:
+        fields_from_wire(wire, seq_length, {k: v.numpy() for k, v in made.items()}, lambda i: source.positions(t + i))
+    except StatefulsetError:
+        source.ring.check(*where, t)  # type: ignore[union-attr]  # a torn slot says so first
+        raise
+    for name, values in made.items():
+        for batch, value in zip(batches, values.unbind(0), strict=True):
+            batch[name] = value
 
 
 def describe_batch(source: BatchSource, t: int, workers: int) -> str:

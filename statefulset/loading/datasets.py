@@ -75,11 +75,12 @@ class StreamDataset:
         stop = max(0, (end - cursor.base) // global_batch)
         return stop if self.limit is None else min(stop, self.limit)
 
-    def fields(self) -> list[FieldSpec]:
-        """What each row of a batch holds: ``text``, then ``loss_mask`` (bestfit) and the document fields."""
+    def fields(self, wire: bool = False) -> list[FieldSpec]:
+        """What each row of a batch holds: ``text``, then ``loss_mask`` (bestfit) and the document fields
+        (``wire``: as their pieces, how a worker without a task encoder sends them)."""
         stream = self.stream
         return field_layout(
-            stream.seq_length, stream.token_dtype, self.document_boundaries, stream.padded or stream.masked
+            stream.seq_length, stream.token_dtype, self.document_boundaries, stream.padded or stream.masked, wire
         )
 
     @property

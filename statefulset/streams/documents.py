@@ -26,6 +26,9 @@ from statefulset.index import compiled
 from statefulset.streams.label_masks import label_mask
 
 DOCUMENT_FIELDS = ("cu_seqlens", "max_seqlen", "position_ids")
+# How the document fields of a batch travel from a DataLoader worker: its pieces, not the fields
+# (which are ~100x their bytes); the trainer computes the fields from them (fields_from_wire).
+WIRE = "document_pieces"
 
 
 @dataclass
@@ -215,13 +218,18 @@ def _where(positions: numpy.ndarray | None, row: int) -> str:
     return f"document boundaries of the sample at position {int(positions[row])}: "
 
 
-def field_layout(seq_length: int, token_dtype: numpy.dtype, boundaries: bool, padded: bool) -> list[FieldSpec]:
+def field_layout(
+    seq_length: int, token_dtype: numpy.dtype, boundaries: bool, padded: bool, wire: bool = False
+) -> list[FieldSpec]:
     """The fields of a micro-batch's rows, in the order they travel: ``text`` first; ``padded``: rows
-    carry a ``loss_mask`` (packing bestfit, or a source with a loss-mask shard)."""
+    carry a ``loss_mask`` (packing bestfit, or a source with a loss-mask shard). ``wire``: the
+    document fields travel as their pieces (:data:`WIRE`, see :func:`fields_from_wire`)."""
     layout = [FieldSpec("text", (seq_length + 1,), numpy.dtype(token_dtype))]
     if padded:
         layout.append(FieldSpec("loss_mask", (seq_length,), numpy.dtype(numpy.float32)))
-    if boundaries:
+    if boundaries and wire:
+        layout.append(FieldSpec(WIRE, (seq_length + 3,), numpy.dtype(numpy.int64)))
+    elif boundaries:
         layout += [
             FieldSpec("cu_seqlens", (seq_length + 1,), numpy.dtype(numpy.int32)),
             FieldSpec("max_seqlen", (), numpy.dtype(numpy.int32)),
@@ -261,7 +269,9 @@ def gather_fields(
     out["text"] = text
     if padded and not masked:
         _put(out, "loss_mask", loss_mask(pieces.used, stream.seq_length))
-    if boundaries:
+    if boundaries and WIRE in out:
+        to_wire(pieces, out[WIRE], stream.seq_length, positions)
+    elif boundaries:
         for name, value in document_fields(pieces, stream.seq_length, positions, out=out).items():
             if out.get(name) is not value:
                 _put(out, name, value)
@@ -273,3 +283,64 @@ def _put(out: dict[str, numpy.ndarray], name: str, value: numpy.ndarray) -> None
         out[name][...] = value
     else:
         out[name] = value
+
+
+def to_wire(pieces: Pieces, wire: numpy.ndarray, seq_length: int, positions: numpy.ndarray | None = None) -> None:
+    """Write a batch's pieces into ``wire`` (int64 ``[B, S+3]``, read flat): counts ``[B]``, used ``[B]``,
+    then the lengths, row after row: the input of the document fields kernel, a few hundred bytes.
+
+    Rows with more pieces than ``cu_seqlens`` has room for are refused here, as
+    :func:`document_fields` refuses them; every other check is the trainer's (:func:`fields_from_wire`).
+    """
+    rows = pieces.counts.size
+    flat = wire.reshape(-1)  # a C-contiguous ring slot: a view
+    total = int(pieces.counts.sum())
+    if rows and (total > flat.size - 2 * rows or pieces.lengths.size < total):
+        _document_fields_numpy(pieces, seq_length, positions)  # raises, naming the sample
+        raise StatefulsetError(f"internal: {total} document pieces for {rows} rows of {seq_length + 1} tokens")
+    flat[:rows] = pieces.counts
+    flat[rows : 2 * rows] = pieces.used
+    flat[2 * rows : 2 * rows + total] = pieces.lengths[:total]
+
+
+def fields_from_wire(
+    wire: numpy.ndarray,
+    seq_length: int,
+    out: dict[str, numpy.ndarray],
+    positions: Any,
+    native: bool | None = None,
+) -> None:
+    """The document fields of ``count`` batches from what :func:`to_wire` wrote (int64 ``[count, B, S+3]``)
+    into ``out``'s arrays (``cu_seqlens`` int32 ``[count, B, S+1]``, ``max_seqlen`` int32 ``[count, B]``,
+    ``position_ids`` int64 ``[count, B, S]``): one kernel call for them all, the same values as
+    :func:`document_fields`. ``positions(i)``: batch ``i``'s stream positions, for error messages.
+    """
+    count, rows = wire.shape[0], wire.shape[1]
+    shapes = {"cu_seqlens": (count, rows, seq_length + 1), "max_seqlen": (count, rows),
+              "position_ids": (count, rows, seq_length)}  # fmt: skip
+    if wire.shape != (count, rows, seq_length + 3) or any(out[k].shape != v for k, v in shapes.items()):
+        raise StatefulsetError(f"internal: document fields of shapes {wire.shape} -> {[out[k].shape for k in shapes]}")
+    lib = compiled.pick(native)
+    first = 0
+    if lib is not None and count and rows:
+        constant = _constant_rows(seq_length)  # held across the call: the kernel reads its rows
+        code = lib.sf_document_fields_batches(
+            compiled.address(wire, numpy.int64), count, rows * (seq_length + 3), rows, seq_length,
+            compiled.address(out["cu_seqlens"], numpy.int32), compiled.address(out["max_seqlen"], numpy.int32),
+            compiled.address(out["position_ids"], numpy.int64), constant[2], constant[3],
+        )  # fmt: skip
+        if code == 0:
+            return
+        first = (abs(int(code)) - 1) // rows  # the batch at fault: again in numpy, for its message
+    for i in range(first, count):
+        flat = wire[i].reshape(-1)
+        counts, used = flat[:rows].copy(), flat[rows : 2 * rows].copy()
+        total = int(counts.sum())
+        if (counts < 0).any() or total > flat.size - 2 * rows:
+            raise StatefulsetError(f"internal: batch {i} of a bundle has {total} document pieces for {rows} rows")
+        found = _document_fields_numpy(Pieces(counts, flat[2 * rows : 2 * rows + total].copy(), used),
+                                       seq_length, numpy.asarray(positions(i)))  # fmt: skip
+        for name in DOCUMENT_FIELDS:
+            out[name][i][...] = found[name]
+        if lib is not None:
+            raise StatefulsetError(f"internal: the document fields kernel refused batch {i}, the numpy rule did not")
