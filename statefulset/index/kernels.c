@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SF_KERNELS_ABI 6
+#define SF_KERNELS_ABI 7
 
 /* The walk reads lengths[] at random (one read per document_index entry): ask for the entry
  * SF_PREFETCH_AHEAD positions on early. Only a hint, it never changes a result; ~30% faster on
@@ -610,4 +610,140 @@ int64_t sf_bestfit_entries(const int64_t *sizes, int64_t n, int64_t capacity, ui
     free(bin_of);
     free(bits);
     return bins;
+}
+
+/* Integer kinds of token arrays: what sf_gather_masked reads and writes (statefulset.streams.label_masks). */
+#define SF_KINDS 6 /* 0 uint8, 1 int8, 2 int16, 3 uint16, 4 int32, 5 int64 */
+static const int64_t sf_kind_size[SF_KINDS] = {1, 1, 2, 2, 4, 8};
+
+#define SF_CONVERT(ST, DT)                                                                     \
+    {                                                                                          \
+        const ST *s = (const ST *)src + at;                                                    \
+        DT *d = (DT *)dst + to;                                                                \
+        for (int64_t i = 0; i < n; i++) d[i] = (DT)s[i];                                       \
+    }
+#define SF_TO(ST)                                                                              \
+    switch (dst_kind) {                                                                        \
+    case 0: SF_CONVERT(ST, uint8_t) break;                                                     \
+    case 1: SF_CONVERT(ST, int8_t) break;                                                      \
+    case 2: SF_CONVERT(ST, int16_t) break;                                                     \
+    case 3: SF_CONVERT(ST, uint16_t) break;                                                    \
+    case 4: SF_CONVERT(ST, int32_t) break;                                                     \
+    default: SF_CONVERT(ST, int64_t) break;                                                    \
+    }
+
+/* n values of src from item at into dst from item to, converted (the caller's dtypes hold them). */
+static void sf_copy_kind(const void *src, int32_t src_kind, int64_t at, void *dst, int32_t dst_kind, int64_t to,
+                         int64_t n) {
+    if (src_kind == dst_kind) {
+        int64_t size = sf_kind_size[src_kind];
+        memcpy((char *)dst + to * size, (const char *)src + at * size, (size_t)(n * size));
+        return;
+    }
+    switch (src_kind) {
+    case 0: SF_TO(uint8_t) break;
+    case 1: SF_TO(int8_t) break;
+    case 2: SF_TO(int16_t) break;
+    case 3: SF_TO(uint16_t) break;
+    case 4: SF_TO(int32_t) break;
+    default: SF_TO(int64_t) break;
+    }
+}
+
+/* pad converted to the kind of dst, into items [to, to + n). */
+static void sf_pad_kind(void *dst, int32_t dst_kind, int64_t to, int64_t n, int64_t pad) {
+    for (int64_t i = 0; i < n; i++) {
+        switch (dst_kind) {
+        case 0: ((uint8_t *)dst)[to + i] = (uint8_t)pad; break;
+        case 1: ((int8_t *)dst)[to + i] = (int8_t)pad; break;
+        case 2: ((int16_t *)dst)[to + i] = (int16_t)pad; break;
+        case 3: ((uint16_t *)dst)[to + i] = (uint16_t)pad; break;
+        case 4: ((int32_t *)dst)[to + i] = (int32_t)pad; break;
+        default: ((int64_t *)dst)[to + i] = pad; break;
+        }
+    }
+}
+
+/* Start loading every cache line of the ranges at once, a range's token and mask lines side by side:
+ * the loads, and the page walks of memory maps read at random, then overlap instead of waiting one
+ * after the other (the mask shard's lines would otherwise add their latency to the tokens'). */
+static void sf_prefetch_ranges(const int64_t *starts, const int64_t *lengths, int64_t count, const char *tokens,
+                               int64_t item, const uint8_t *mask) {
+    for (int64_t k = 0; k < count; k++) {
+        const char *t = tokens + starts[k] * item;
+        int64_t bytes = lengths[k] * item;
+        for (int64_t b = 0; b < lengths[k]; b += 64) {
+            for (int64_t j = b * item; j < (b + 64) * item && j < bytes; j += 64) SF_PREFETCH(t + j);
+            if (mask != NULL) SF_PREFETCH(mask + starts[k] + b);
+        }
+    }
+}
+
+/*
+ * A batch's tokens and its loss_mask in one pass over its token ranges (CONTRACT §16): the ranges
+ * of a token shard (num_tokens values of kind src_kind, memory-mapped at address tokens) and the
+ * same ranges of its loss-mask shard (its uint8 values, as many, at address mask; 0 for a source
+ * without one: every token has loss). packed holds (one address to pass instead of twelve, ~0.3 µs
+ * each through ctypes) SF_HEADER values: count, with_used, rows, width, src_kind, num_tokens,
+ * dst_kind, pad, tokens, mask; then count range starts, count lengths and (with_used) rows values
+ * used[r]. The ranges fill the rows one after the other, row r's first used[r] tokens (width
+ * without used); the rest of a row is padding. out (kind dst_kind, [rows, width]) receives the
+ * tokens, pad after them; label (float32 [rows, width - 1]) for every token but a row's first (a
+ * label's mask is its token's) 1 where the mask is nonzero, 0 where it is zero or padding. Returns
+ * 0, or -1 with nothing written when an argument, a range or a used[r] is out of bounds or the
+ * ranges do not hold exactly the tokens the rows use.
+ */
+#define SF_HEADER 10
+int64_t sf_gather_masked(const int64_t *packed, void *out, float *label) {
+    int64_t count = packed[0], rows = packed[2], width = packed[3], num_tokens = packed[5], pad = packed[7];
+    int64_t with_used = packed[1], src_kind = packed[4], dst_kind = packed[6];
+    const void *tokens = (const void *)(uintptr_t)packed[8];
+    const uint8_t *mask = (const uint8_t *)(uintptr_t)packed[9];
+    if (count < 0 || rows < 0 || width < 1 || num_tokens < 0 || src_kind < 0 || src_kind >= SF_KINDS ||
+        dst_kind < 0 || dst_kind >= SF_KINDS || tokens == NULL || (rows > 0 && width > INT64_MAX / rows))
+        return -1;
+    const int64_t *starts = packed + SF_HEADER, *lengths = starts + count, *used = with_used ? lengths + count : NULL;
+    int64_t total = 0, want = 0;
+    for (int64_t k = 0; k < count; k++) {
+        int64_t s = starts[k], n = lengths[k];
+        if (s < 0 || n < 0 || s > num_tokens || n > num_tokens - s) return -1;
+        total += n; /* at most count * num_tokens: no overflow for any real shard */
+        if (total > INT64_MAX / 2) return -1;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t u = used ? used[r] : width;
+        if (u < 0 || u > width) return -1;
+        want += u;
+    }
+    if (total != want) return -1;
+    int64_t item = sf_kind_size[src_kind];
+    sf_prefetch_ranges(starts, lengths, count, (const char *)tokens, item, mask);
+    int64_t k = -1, at = 0, left = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = label + r * (width - 1);
+        int64_t u = used ? used[r] : width, col = 0;
+        while (col < u) {
+            while (left == 0) { /* a later range holds the row's next token: the totals match */
+                k++;
+                at = starts[k];
+                left = lengths[k];
+            }
+            int64_t n = left < u - col ? left : u - col;
+            sf_copy_kind(tokens, (int32_t)src_kind, at, out, (int32_t)dst_kind, r * width + col, n);
+            int64_t skip = col == 0 ? 1 : 0, m = n - skip; /* the row's first token is no label */
+            float *dst = row + col + skip - 1;
+            if (mask == NULL) {
+                for (int64_t i = 0; i < m; i++) dst[i] = 1.0f;
+            } else {
+                const uint8_t *src = mask + at + skip;
+                for (int64_t i = 0; i < m; i++) dst[i] = src[i] != 0 ? 1.0f : 0.0f;
+            }
+            at += n;
+            left -= n;
+            col += n;
+        }
+        sf_pad_kind(out, (int32_t)dst_kind, r * width + u, width - u, pad);
+        for (int64_t c = u > 1 ? u : 1; c < width; c++) row[c - 1] = 0.0f;
+    }
+    return 0;
 }

@@ -341,6 +341,16 @@ class IndexedDataset:
         out[:] = self._tokens[shift + numpy.arange(out.shape[0], dtype=numpy.int64)]
 
     @property
+    def mapped_address(self) -> int | None:
+        """The address of the local ``.bin``'s memory map (``num_tokens`` values of ``dtype``), for a
+        compiled kernel to copy ranges from; None when remote. The map lives as long as this dataset
+        (the array view behind the address keeps it open); check a copy with ``bin_file.check_read()``."""
+        found = self.__dict__.get("_mapped_address")
+        if found is None and self._bin_buffer is not None:
+            found = self._mapped_address = self._tokens.ctypes.data
+        return found
+
+    @property
     def _tokens(self) -> numpy.ndarray:
         view = self.__dict__.get("_token_view")
         if view is None:

@@ -30,6 +30,7 @@ EXTRA = 1
 # Batches up to this many samples are planned on Python ints, larger gathers with numpy.
 _LIST_PLAN_MAX_SAMPLES = 64
 _THIS_AND_NEXT = numpy.array([0, 1], dtype=numpy.int64)
+_FLOAT32 = numpy.dtype(numpy.float32)
 
 
 def reopen_pinned(reopen: Any, spec: DatasetSpec, split: str, pins: list[tuple[str, str]]) -> SampleStream:
@@ -151,15 +152,18 @@ class SampleStream:
         return out, _some(pieces)
 
     def gather_masked(
-        self, positions: Any, out: numpy.ndarray | None = None, want: bool = True
+        self, positions: Any, out: numpy.ndarray | None = None, want: bool = True, labels: numpy.ndarray | None = None
     ) -> tuple[numpy.ndarray, Pieces, numpy.ndarray]:
-        """:meth:`gather_pieces` (pieces only with ``want``), and each token's loss mask: uint8
-        ``[len(positions), seq_length + 1]``, read from the sources' mask shards along the tokens' own
-        ranges (1 for a source without one, 0 on bestfit padding)."""
+        """:meth:`gather_pieces` (pieces only with ``want``), and the rows' ``loss_mask``: float32
+        ``[len(positions), seq_length]``, into ``labels`` when given (C-contiguous, that shape and
+        dtype), each label's token's mask read from the sources' mask shards along the tokens' own
+        ranges (1 for a source without one, 0 on bestfit padding: :mod:`statefulset.streams.label_masks`)."""
         count = numpy.asarray(positions).size
-        masks = numpy.empty((count, self.seq_length + EXTRA), dtype=numpy.uint8)
-        out, pieces = self._gather(positions, out, want, masks)
-        return out, _some(pieces), masks
+        shape = (count, self.seq_length)
+        if labels is None or labels.shape != shape or labels.dtype != _FLOAT32 or not labels.flags.c_contiguous:
+            labels = numpy.empty(shape, dtype=numpy.float32)
+        out, pieces = self._gather(positions, out, want, labels)
+        return out, _some(pieces), labels
 
     def _gather(
         self, positions: Any, out: numpy.ndarray | None, want: bool, masks: numpy.ndarray | None = None
@@ -191,7 +195,7 @@ class SampleStream:
     def _fill(
         self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None
     ) -> Pieces | None:
-        """Rows of ``out`` (and of ``masks``: each token's loss mask) for ``positions``; with ``want``, their pieces."""
+        """Rows of ``out`` (and ``masks``: float32 ``loss_mask`` rows) at ``positions``; with ``want``, their pieces."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -222,7 +226,7 @@ def _fill_by_source(
     for d in present:
         rows = numpy.flatnonzero(which == d)
         block = numpy.empty((rows.size, out.shape[1]), dtype=out.dtype)
-        mask_block = None if masks is None else numpy.empty(block.shape, dtype=masks.dtype)
+        mask_block = None if masks is None else numpy.empty((rows.size, masks.shape[1]), dtype=masks.dtype)
         pieces = sources[d].fill(local[rows], block, want, mask_block)
         out[rows] = block
         if masks is not None:

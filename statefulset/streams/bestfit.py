@@ -43,19 +43,8 @@ class _BinFiller:
     ) -> Pieces | None:
         starts, lengths, counts, used = self.source.plan(local)
         width = out.shape[1]
-        if all(u == width for u in used):
-            gather_ranges(self.source.dataset, starts, lengths, out, masks)
-        else:
-            real = numpy.empty(sum(used), dtype=out.dtype)
-            real_masks = None if masks is None else numpy.empty(real.size, dtype=masks.dtype)
-            gather_ranges(self.source.dataset, starts, lengths, real, real_masks)
-            used_array = numpy.array(used, dtype=numpy.int64)
-            kept = numpy.arange(width)[None, :] < used_array[:, None]
-            out[...] = self.pad_id
-            out[kept] = real
-            if masks is not None:  # padding is never a label with loss
-                masks[...] = 0
-                masks[kept] = real_masks
+        padded = None if all(u == width for u in used) else used
+        gather_ranges(self.source.dataset, starts, lengths, out, masks, padded, self.pad_id)
         if not want:
             return None
         return Pieces(

@@ -23,7 +23,6 @@ import numpy
 
 from statefulset.errors import StatefulsetError
 from statefulset.index import compiled
-from statefulset.streams.label_masks import label_mask
 
 DOCUMENT_FIELDS = ("cu_seqlens", "max_seqlen", "position_ids")
 # How the document fields of a batch travel from a DataLoader worker: its pieces, not the fields
@@ -262,8 +261,10 @@ def gather_fields(
         out["text"] = stream.gather(positions, out=out.get("text"))
         return out
     if masked:
-        text, pieces, token_masks = stream.gather_masked(positions, out=out.get("text"), want=boundaries)
-        _put(out, "loss_mask", label_mask(token_masks))
+        given = out.get("loss_mask")
+        text, pieces, labels = stream.gather_masked(positions, out=out.get("text"), want=boundaries, labels=given)
+        if labels is not given:
+            _put(out, "loss_mask", labels)
     else:
         text, pieces = stream.gather_pieces(positions, out=out.get("text"))
     out["text"] = text
