@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import logging
 import multiprocessing
 import os
 import random
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -209,3 +212,48 @@ def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale
     del loader, batch, pool
     gc.collect()
     _wait_for(lambda: not multiprocessing.active_children(), 30, "the dropped loader's workers to exit")
+
+
+TRAINER = """
+import json, sys, time
+from statefulset import WorkerConfig, get_train_dataset
+from statefulset.integrations.torchft import FaultTolerantLoader
+
+class Quorum:  # torchft's answers for one quorum of 2, this replica rank 1
+    def start_quorum(self): pass
+    def num_participants(self): return 2
+    def participating_rank(self): return 1
+    def is_participating(self): return True
+    def batches_committed(self): return 0
+    def current_step(self): return 0
+
+wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+loader = FaultTolerantLoader(get_train_dataset(sys.argv[1], batch_size=2, worker_config=wc), Quorum())
+next(loader)
+open(sys.argv[2], "w").write(json.dumps(loader.worker_pids()))
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie left for init to reap is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_workers_die_with_a_trainer_killed_by_sigkill(spec, tmp_path):
+    """The persistent workers outlive plans, not their trainer: SIGKILLed, it leaves none behind."""
+    out = tmp_path / "pids.json"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, spec, str(out)])
+    try:
+        _wait_for(lambda: out.exists() and out.read_text(), 120, "the trainer to write its worker pids")
+        pids = json.loads(out.read_text())
+        assert len(pids) == 2 and all(_running(p) for p in pids)
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=30)
+    # torch's workers look at their parent every 5 s (MP_STATUS_CHECK_INTERVAL) and leave.
+    _wait_for(lambda: not any(_running(p) for p in pids), 60, f"the workers {pids} to exit after their trainer")
