@@ -14,7 +14,7 @@ boundary); bestfit and OLMo-core (``InstancePacker.pack_documents``, run in its 
 by ``anchor_olmo_packing.py``, both long-document strategies) pack whole documents.
 
 Then: opening a bestfit stream with its bins cached and seeking far (a restore), and batch
-assembly (B=8, in process) with and without ``document_boundaries``.
+assembly (B=8: in process, in a worker, through 2 workers) with and without ``document_boundaries``.
 
     python benchmarks/bench_packing.py --olmo-python /path/to/venv-olmo/bin/python
     python benchmarks/bench_packing.py --window-samples 8192   # a corpus of several bestfit windows
@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 from plots import IMG_DIR, RESULTS_DIR, add_plot_argument  # noqa: E402
 
 from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset  # noqa: E402
-from statefulset.streams.documents import gather_fields  # noqa: E402
+from statefulset.streams.documents import field_layout, gather_fields  # noqa: E402
 from statefulset.streams.opening import open_stream  # noqa: E402
 
 SEQ = 2047
@@ -142,51 +142,92 @@ def olmo_figures(olmo_python: str, lengths: numpy.ndarray, strategy: str, folder
 
 
 def assembly(spec: dict, batches: int, repeats: int) -> dict:
-    """Tokens/s of batch assembly (B=8, random positions, warm page cache), without and with boundaries.
+    """Batch assembly (B=8, random positions, warm page cache), without and with boundaries.
 
-    In process (``gather_fields``, what a worker runs per batch) and through a loader with two
-    workers (what the trainer receives); median and spread of ``repeats`` passes (the variants
-    run one after another, not alternated: this is the in-run cost of boundaries, not a ratio
-    to an anchor).
+    Three places: ``in process`` (``gather_fields`` into new arrays: what ``num_workers=0`` and
+    ``ds[p]`` run per batch), ``in a worker`` (``gather_fields`` into a ring slot's arrays: what a
+    DataLoader worker runs per batch; its document fields travel as their pieces) and ``2 workers``
+    (what the trainer receives from a loader with two worker processes). The variants alternate
+    (without, with, without, ...) ``repeats`` times; each pass records tokens/s (wall clock) and
+    CPU µs per batch (every process: the trainer and its workers), and the slowdown is the median
+    of the per-round ratios with its spread, for both. CPU time still means something on a loaded
+    machine; tokens/s needs a quiet one.
     """
-    out: dict = {}
+    from provenance import ratio, summary
+
     stream = open_stream(spec)
     upper = len(stream) if not stream.unbounded else 10**6
     rng = numpy.random.default_rng(0)
     plans = [rng.integers(0, upper, 8) for _ in range(batches)]
-    for boundaries in (False, True):
-        for p in plans[:20]:
-            gather_fields(stream, p, boundaries)  # warm the page cache and the memo
-        seconds = []
+    padded = stream.padded or stream.masked
+    places = {
+        "in process": lambda b: _passes(lambda: [gather_fields(stream, p, b) for p in plans], batches),
+        "in a worker": lambda b: _in_slot(stream, plans, b, padded),
+        "2 workers": lambda b: _through_workers(spec, b, batches),
+    }
+    out: dict = {}
+    for where, run in places.items():
+        run(False), run(True)  # warm the page cache, the memo and the code paths
+        rounds = {False: [], True: []}
         for _ in range(repeats):
-            began = time.perf_counter()
-            for p in plans:
-                gather_fields(stream, p, boundaries)
-            seconds.append(time.perf_counter() - began)
-        out["in process, with" if boundaries else "in process, without"] = rates(batches, seconds)
-        wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
-        seconds = []
-        for _ in range(repeats):
-            loader = get_savable_loader(get_train_dataset(spec, batch_size=8, worker_config=wc,
-                                                          document_boundaries=boundaries))  # fmt: skip
-            iterator = iter(loader)
-            next(iterator)  # workers started
-            began = time.perf_counter()
-            for _, _batch in zip(range(batches), iterator, strict=False):
-                pass
-            seconds.append(time.perf_counter() - began)
-            del iterator, loader
-        out["2 workers, with" if boundaries else "2 workers, without"] = rates(batches, seconds)
-    for where in ("in process", "2 workers"):
-        out[f"{where}, slowdown"] = out[f"{where}, without"]["median"] / out[f"{where}, with"]["median"] - 1
+            for boundaries in (False, True):
+                rounds[boundaries].append(run(boundaries))
+        for boundaries, label in ((False, "without"), (True, "with")):
+            out[f"{where}, {label}"] = summary([rate for rate, _ in rounds[boundaries]])
+            out[f"{where}, {label}, cpu us per batch"] = summary([cpu for _, cpu in rounds[boundaries]])
+        rates_without, rates_with = (summary([r for r, _ in rounds[b]]) for b in (False, True))
+        cpu_without, cpu_with = (summary([c for _, c in rounds[b]]) for b in (False, True))
+        out[f"{where}, slowdown"] = {k: v - 1 if k != "runs" else [x - 1 for x in v]
+                                     for k, v in ratio(rates_without, rates_with).items()}  # fmt: skip
+        out[f"{where}, cpu slowdown"] = {k: v - 1 if k != "runs" else [x - 1 for x in v]
+                                         for k, v in ratio(cpu_with, cpu_without).items()}  # fmt: skip
     return out
 
 
-def rates(batches: int, seconds: list[float]) -> dict:
-    """Tokens/s of each pass: median and spread."""
-    from provenance import summary
+def _passes(one_pass, batches: int) -> tuple[float, float]:
+    """(tokens/s, CPU µs per batch) of one pass in this process."""
+    began, cpu = time.perf_counter(), time.process_time()
+    one_pass()
+    seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+    return batches * 8 * SEQ / seconds, cpu / batches * 1e6
 
-    return summary([batches * 8 * SEQ / s for s in seconds])
+
+def _in_slot(stream, plans: list, boundaries: bool, padded: bool) -> tuple[float, float]:
+    """A worker's build: every batch into the same slot-like arrays (text in the corpus dtype)."""
+    layout = field_layout(stream.seq_length, stream.token_dtype, boundaries, padded, wire=True)
+    slot = {f.name: numpy.empty((8, *f.shape), dtype=f.dtype) for f in layout}
+    return _passes(lambda: [gather_fields(stream, p, boundaries, dict(slot)) for p in plans], len(plans))
+
+
+def _through_workers(spec: dict, boundaries: bool, batches: int) -> tuple[float, float]:
+    """What the trainer receives from two workers: tokens/s, and CPU µs per batch of the trainer and the workers."""
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+    loader = get_savable_loader(get_train_dataset(spec, batch_size=8, worker_config=wc,
+                                                  document_boundaries=boundaries))  # fmt: skip
+    iterator = iter(loader)
+    next(iterator)  # workers started
+    began, cpu = time.perf_counter(), time.process_time() + _children_cpu()
+    for _, _batch in zip(range(batches), iterator, strict=False):
+        pass
+    seconds, cpu = time.perf_counter() - began, time.process_time() + _children_cpu() - cpu
+    del iterator, loader
+    return batches * 8 * SEQ / seconds, cpu / batches * 1e6
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) used so far by this process's live children (Linux /proc)."""
+    total, me, tick = 0.0, os.getpid(), os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == me:  # ppid
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def seek(spec: dict) -> dict:
