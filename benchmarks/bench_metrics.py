@@ -4,10 +4,12 @@ Counting is always on (two clock reads a batch in the trainer, an array add per 
 so "off" here is a loop that never reads the metrics, against loops that read ``loader.metrics()``
 after every batch (a logger at ``log_interval=1``: the worst case) and after every 10th. 2 DataLoader
 workers over a local native-packed corpus with a two-stage schedule (the per-source values walk
-the blend tree whenever the position moved), alternating the two loops. Also the time of one
-``metrics()`` call at a position that moved, and of ``metrics(across_ranks=True)`` on one rank.
+the blend tree whenever the position moved), alternating the loops; at micro-batches of 8 x 129
+tokens (where a read weighs most) and 8 x 2049 (the size the other loader benchmarks use). Also
+the time of one ``metrics()`` call at a position that moved, and of ``metrics(across_ranks=True)``
+on one rank.
 
-    python benchmarks/bench_metrics.py [--repeats 5] [--batches 3000]
+    python benchmarks/bench_metrics.py [--repeats 5] [--batches 3000] [--seq-lengths 128,2048]
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-BATCH, SEQ, WORKERS = 8, 128, 2
+BATCH, WORKERS = 8, 2
+SEQ_LENGTHS = (128, 2048)  # micro-batches of 8 x 129 and 8 x 2049 tokens
 
 
-def staged_spec(folder: str) -> str:
+def staged_spec(folder: str, seq_length: int) -> str:
     import yaml
 
     from statefulset.tools.demo import demo_spec
 
-    with open(demo_spec(folder, documents=20000, seq_length=SEQ)) as f:
+    with open(demo_spec(folder, documents=20000, seq_length=seq_length)) as f:
         plain = yaml.safe_load(f)
     blend = plain.pop("data_path")
     prefixes = list(blend) if isinstance(blend, dict) else blend[1::2]
@@ -76,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, default=3000)
+    parser.add_argument("--seq-lengths", default=",".join(map(str, SEQ_LENGTHS)), help="comma-separated")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_metrics.json"))
     parser.add_argument("--quick", action="store_true", help="smoke run (3 runs of 200 batches)")
     args = parser.parse_args()
@@ -87,39 +91,51 @@ def main() -> None:
     from benchenv import environment, git_state, load_average, spread
 
     torch.set_num_threads(1)
-    spec = staged_spec(tempfile.mkdtemp(prefix="bench-metrics-"))
+    folder = tempfile.mkdtemp(prefix="bench-metrics-")
+    lengths = [int(x) for x in args.seq_lengths.split(",")]
+    specs = {seq: staged_spec(os.path.join(folder, str(seq)), seq) for seq in lengths}
     modes = [("never_read", 0), ("read_every_step", 1), ("read_every_10_steps", 10)]
-    runs: dict[str, list[float]] = {label: [] for label, _ in modes}
+    runs = {seq: {label: [] for label, _ in modes} for seq in lengths}
     calls: dict[str, list[float]] = {"metrics_us": [], "metrics_across_ranks_us": []}
     for r in range(args.repeats):
-        for label, every in modes if r % 2 == 0 else modes[::-1]:
-            runs[label].append(batches_per_second(spec, every, args.batches))
-        calls["metrics_us"].append(call_us(spec, False, 2000))
-        calls["metrics_across_ranks_us"].append(call_us(spec, True, 2000))
-    summary = {label: spread(values) for label, values in runs.items()}
+        for seq in lengths:
+            for label, every in modes if r % 2 == 0 else modes[::-1]:
+                runs[seq][label].append(batches_per_second(specs[seq], every, args.batches))
+        calls["metrics_us"].append(call_us(specs[lengths[0]], False, 2000))
+        calls["metrics_across_ranks_us"].append(call_us(specs[lengths[0]], True, 2000))
+    sizes = {}
+    for seq in lengths:
+        summary = {label: spread(values) for label, values in runs[seq].items()}
+        sizes[f"{BATCH} x {seq + 1}"] = {
+            "batches_per_second_runs": runs[seq],
+            "batches_per_second": summary,
+            "throughput_ratio": {
+                label: summary[label]["median"] / summary["never_read"]["median"] for label, every in modes if every
+            },
+        }
     call_summary = {label: spread(values) for label, values in calls.items()}
     result = {
         "environment": environment(),
         "git": git_state(),
         "load": load_average(),
-        "batch": [BATCH, SEQ + 1],
+        "batch_size": BATCH,
         "workers": WORKERS,
         "batches_per_run": args.batches,
-        "batches_per_second_runs": runs,
-        "batches_per_second": summary,
+        "sizes": sizes,  # by micro-batch ("8 x 129", "8 x 2049"): runs, medians, on / off ratios
         "call_us_runs": calls,
         "call_us": call_summary,
-        "throughput_ratio": {
-            label: summary[label]["median"] / summary["never_read"]["median"] for label, every in modes if every
-        },
     }
     from provenance import write_results
 
     write_results("bench_metrics", result, path=args.out, quick=args.quick)
-    print(f"{WORKERS} workers, micro-batch {BATCH} x {SEQ + 1}, {args.batches} batches, {args.repeats} runs each")
-    for label, sp in {**summary, **call_summary}.items():
+    print(f"{WORKERS} workers, {args.batches} batches, {args.repeats} runs each")
+    for size, found in sizes.items():
+        print(f"  micro-batch {size}:")
+        for label, sp in found["batches_per_second"].items():
+            print(f"    {label}: median {sp['median']:.1f} batches/s (min {sp['min']:.1f}, max {sp['max']:.1f})")
+        print(f"    throughput against never reading the metrics: {found['throughput_ratio']}")
+    for label, sp in call_summary.items():
         print(f"  {label}: median {sp['median']:.1f} (min {sp['min']:.1f}, max {sp['max']:.1f})")
-    print(f"  throughput against never reading the metrics: {result['throughput_ratio']}")
 
 
 if __name__ == "__main__":

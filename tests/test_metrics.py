@@ -22,6 +22,7 @@ from s3_servers import moto_server, proxy, upload
 
 from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.errors import StatefulsetError
+from statefulset.shards import storage_stats
 
 SEQ = 16
 NAMES = ("web", "code", "math")
@@ -96,6 +97,36 @@ def test_per_source_counts_weights_and_epochs_follow_the_stream_across_a_stage_c
     assert {k: v for k, v in r.items() if k.startswith("source/")} == {
         k: v for k, v in m.items() if k.startswith("source/")
     }
+
+
+def test_every_read_is_a_new_dict_of_the_current_values(shards, tmp_path):
+    """Reads keep one dict and update it in place (issue 29's cost): what a caller gets is its own copy,
+    with the same keys in the same order, every value current, whether the position moved or not."""
+    ds = get_train_dataset(
+        _spec(shards, tmp_path / "c"), batch_size=4, worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0)
+    )
+    loader = get_savable_loader(ds)
+    it = iter(loader)
+    first = loader.metrics()
+    first["batches"], first["mine"] = -1.0, 1.0
+    keys = list(loader.metrics())
+    assert loader.metrics() is not loader.metrics() and "mine" not in keys and loader.metrics()["batches"] == 0
+    for step in range(1, 31):  # across the stage change at position 96
+        next(it)
+        m = loader.metrics()
+        assert list(m) == keys and m == loader.metrics()  # read twice at one place: the same values
+        assert m["batches"] == step and m["position"] == 4 * step and m["tokens"] == 4 * step * SEQ
+        if step in (23, 24, 25, 30):
+            want = _brute_force(ds.stream, 4 * step)
+            for name in NAMES:
+                assert m[f"source/{shards[name]}/samples"] == want.get(shards[name], 0), (step, name)
+    assert m[f"source/{shards['math']}/weight"] == pytest.approx(0.5)
+    before = loader.metrics()
+    ticket = storage_stats.request_started("s3://bucket/" + shards["web"] + ".bin")  # this process's own row
+    storage_stats.request_ended(ticket, 1000, retried=False)
+    after = loader.metrics()
+    assert after["storage/requests"] == before["storage/requests"] + 1
+    assert after["storage/bytes"] == before["storage/bytes"] + 1000 and list(after) == keys
 
 
 def test_log_metrics_writes_every_metric_to_a_summary_writer_like_object(shards, tmp_path):

@@ -93,6 +93,7 @@ class Delivery:
         self.restarted = self.superseded = False
         self.in_process: InProcessSource | None = None
         self.meter: Meter = options["meter"]
+        self._ends: tuple[Any, Any] | None = None  # (ring, a view of its slots' end stamps) for ready_batches
         # Weakly: a strong reference made a cycle (delivery -> meter -> delivery) that kept a dropped
         # loader's persistent workers alive until a garbage collection.
         self.meter.delivery = weakref.ref(self)
@@ -200,7 +201,10 @@ class Delivery:
         ring = self.source.ring if self.workers else None
         if ring is None:
             return len(self.ready)
-        return len(self.ready) + ring.bundle * int((ring.stamps.numpy()[:, :, 1] >= self.next_t).sum())
+        if self._ends is None or self._ends[0] is not ring:  # a view of the shared stamps, made once per ring
+            self._ends = (ring, ring.stamps.numpy().reshape(-1)[1::2])
+        # A handful of slots: counted on Python ints, ~3x cheaper than numpy's per-call costs.
+        return len(self.ready) + ring.bundle * sum(map(self.next_t.__le__, self._ends[1].tolist()))
 
     def _describe(self) -> str:
         """The awaited batch, for the watchdog and the stall report: worker, positions, files, oldest request."""

@@ -6,7 +6,7 @@ Everything is counted in the trainer process, once per batch, or derived when as
   (:mod:`statefulset.loading.delivery`) add to around each ``next()`` (two clock reads a batch).
 - ``tokens``: ``batches x batch_size x seq_length`` (the tokens trained on; bestfit padding included).
 - ``source/{prefix}/samples|weight|epoch``: derived from the blend tree at the rank's place
-  (``stream.source_positions``: O(stages x log sources) when the place moved, cached otherwise;
+  (``stream.source_counts``: O(stages x log sources) when the place moved, cached otherwise;
   the weights of :mod:`statefulset.streams.standing`).
 - ``storage/*`` and ``read_ahead/*``: every process's counters (:mod:`statefulset.shards.storage_stats`)
   live in a row of shared memory per DataLoader worker (the batch ring's ``stats``) plus the trainer's
@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -40,82 +41,118 @@ _CUMULATIVE = [
 
 
 class Meter:
-    """The trainer's counts for one loader, over all its passes and worker restarts."""
+    """The trainer's counts for one loader, over all its passes and worker restarts.
+
+    A read (:meth:`read`) costs a few µs, after every batch if need be: the metrics live in one dict
+    whose keys are made once and whose values are updated in place (the per-source ones from one
+    walk of the blend tree, none when the position did not move; the storage ones summed by one
+    numpy call and summarised only when a counter changed), and the caller gets a copy of it.
+    """
 
     def __init__(self) -> None:
         self.wait = 0.0  # seconds inside next()
         self.batches = 0
         self.restarts = 0  # DataLoader workers started again (statefulset.loading.worker_start)
         self.stalls = 0  # stall warnings logged (statefulset.loading.watchdog)
-        self.ring: Any = None  # the current pass's batch ring (its workers' storage rows)
+        self._ring: Any = None  # the current pass's batch ring (its workers' storage rows): see ring
+        self._worker_rows: numpy.ndarray | None = None  # its stats as numpy, a view of its shared memory
         self.delivery: Any = None  # a weak reference to the current pass (loading.delivery.Delivery)
-        self._place: int | None = None
-        self._sources: dict[str, float] = {}
-        self._keys: list[tuple[str, ...]] | None = None  # each source's three keys, made once
-        self._per_epoch: list[int] = []
+        self._values: dict[str, float] = {}  # every metric, in the order a read returns them
+        self._parts: tuple[bool, bool] | None = None  # (workers' queue, position): the keys _values has
+        self._place: int | None = None  # the position the per-source values in _values are for
+        self._keys: list[tuple[str, str, str, int]] | None = None  # each source's keys and epoch size, made once
         self._weights: dict[int, list[float]] = {}  # normalised weights by stage
-        self._storage_key = b""
-        self._storage: dict[str, float] = {}
+        self._storage_key = b""  # the storage rows' bytes the storage values in _values are for
         # The trainer's own row counts for the whole process (other loaders, earlier ones): this
         # loader reports what was counted since it was made (in-flight and oldest are instantaneous).
-        self._base = storage_stats.row().copy()
+        self._offset = numpy.zeros(storage_stats.WIDTH, dtype=numpy.float64)
+        self._offset[_CUMULATIVE] = storage_stats.row()[_CUMULATIVE]
+        self._total = numpy.zeros(storage_stats.WIDTH, dtype=numpy.float64)
+        self._workers_total = numpy.zeros(storage_stats.WIDTH, dtype=numpy.float64)
 
-    def sources(self, stream: Any, position: int) -> dict[str, float]:
-        """``source/{prefix}/...`` at ``position``, recomputed only when the position moved."""
-        if position == self._place or not hasattr(stream, "source_positions"):
-            return self._sources
-        counts = stream.source_positions(position)
+    @property
+    def ring(self) -> Any:
+        """The current pass's batch ring (None without workers); setting it makes the view of its rows once."""
+        return self._ring
+
+    @ring.setter
+    def ring(self, ring: Any) -> None:
+        self._ring = ring
+        self._worker_rows = None if ring is None else ring.stats.numpy()
+
+    def read(self, dataset: Any, position: int | None) -> dict[str, float]:
+        """This rank's metrics, a new dict; ``position``: the global position below which the stream
+        counts as drawn (None: no per-source values)."""
+        delivery = self.delivery() if self.delivery is not None else None
+        values = self._values
+        if self._parts != (delivery is not None, position is not None):  # first read, or a part came or went
+            values = self._values = dict.fromkeys(_FIRST, 0.0)
+            if delivery is not None:
+                values["workers/ready_batches"] = 0.0
+            if position is not None:
+                values["position"] = 0.0
+            self._parts, self._place, self._storage_key = (delivery is not None, position is not None), None, b""
+        batches = self.batches
+        values["data_wait_seconds"] = self.wait
+        values["batches"] = float(batches)
+        values["tokens"] = float(batches * dataset.batch_size * dataset.stream.seq_length)
+        values["worker_restarts"] = float(self.restarts)
+        values["stall_warnings"] = float(self.stalls)
+        if delivery is not None:
+            values["workers/ready_batches"] = float(delivery.ready_batches())
+        if position is not None:
+            values["position"] = float(position)
+            if position != self._place:
+                self._sources(dataset.stream, position, values)
+        self._storage(values)
+        return dict(values)
+
+    def _sources(self, stream: Any, position: int, values: dict[str, float]) -> None:
+        """``source/{prefix}/samples|weight|epoch`` at ``position`` into ``values`` (one blend-tree walk)."""
         if self._keys is None:
-            self._keys = [tuple(f"source/{p}/{what}" for what in ("samples", "weight", "epoch")) for p in counts]
-            self._per_epoch = [int(source.windows) for source in stream.sources]
-        stage, raw = weights_at(stream, position)
+            if not hasattr(stream, "source_counts"):  # megatron packing: no blend tree to ask
+                return
+            prefixes = list(stream.source_positions(position))  # once: the keys, in the stream's order
+            self._keys = [
+                (f"source/{p}/samples", f"source/{p}/weight", f"source/{p}/epoch", int(source.windows))
+                for p, source in zip(prefixes, stream.sources, strict=True)
+            ]
+        counts = stream.source_counts(position)
+        stage = stream.stage_of(position) if hasattr(stream, "stage_of") else 0
         weights = self._weights.get(stage)
         if weights is None:
+            _, raw = weights_at(stream, position)
             total = sum(raw) or 1.0
             weights = self._weights[stage] = [w / total for w in raw]
-        out: dict[str, float] = {}
-        for (samples, weight, epoch), count, w, per_epoch in zip(
-            self._keys, counts.values(), weights, self._per_epoch, strict=True
-        ):
-            out[samples], out[weight], out[epoch] = float(count), w, count / per_epoch if per_epoch else 0.0
-        self._place, self._sources = position, out
-        return out
+        for (samples, weight, epoch, per_epoch), count, w in zip(self._keys, counts, weights, strict=True):
+            values[samples], values[weight], values[epoch] = float(count), w, count / per_epoch if per_epoch else 0.0
+        self._place = position
 
-    def storage(self) -> dict[str, float]:
-        """The storage counters of the trainer and the current pass's workers, summed (cached while unchanged)."""
-        total = storage_stats.row().copy()
-        total[_CUMULATIVE] -= self._base[_CUMULATIVE]
-        if self.ring is not None:
-            total += self.ring.stats.numpy().sum(axis=0)
-        key = total.tobytes()
+    def _storage(self, values: dict[str, float]) -> None:
+        """The storage counters of the trainer and the current pass's workers, summed into ``values``
+        when their bytes changed since the last read."""
+        own = storage_stats.row()
+        key = own.tobytes() if self._worker_rows is None else own.tobytes() + self._worker_rows.tobytes()
         if key != self._storage_key:
-            self._storage_key, self._storage = key, storage_stats.summary(total)
-        return self._storage
+            total = numpy.subtract(own, self._offset, out=self._total)
+            if self._worker_rows is not None:
+                total += numpy.add.reduce(self._worker_rows, axis=0, out=self._workers_total)
+            self._storage_key = key
+            values.update(storage_stats.summary(total))
 
     def storage_rows(self) -> list[Any]:
         rows = [storage_stats.row()]
-        if self.ring is not None:
-            rows.extend(self.ring.stats.numpy())
+        if self._worker_rows is not None:
+            rows.extend(self._worker_rows)
         return rows
 
 
+_FIRST = ("data_wait_seconds", "batches", "tokens", "worker_restarts", "stall_warnings")
+
+
 def rank_metrics(meter: Meter, dataset: Any, position: int | None) -> dict[str, float]:
-    """This rank's metrics; ``position``: the global position below which the stream counts as drawn."""
-    out: dict[str, float] = {
-        "data_wait_seconds": meter.wait,
-        "batches": float(meter.batches),
-        "tokens": float(meter.batches * dataset.batch_size * dataset.stream.seq_length),
-        "worker_restarts": float(meter.restarts),
-        "stall_warnings": float(meter.stalls),
-    }
-    delivery = meter.delivery() if meter.delivery is not None else None
-    if delivery is not None:
-        out["workers/ready_batches"] = float(delivery.ready_batches())
-    if position is not None:
-        out["position"] = float(position)
-        out.update(meter.sources(dataset.stream, position))
-    out.update(meter.storage())
-    return out
+    """This rank's metrics (a new dict); ``position``: the global position below which the stream counts as drawn."""
+    return meter.read(dataset, position)
 
 
 def across_ranks(values: dict[str, float], worker_config: Any, timeout: float | None) -> dict[str, float]:

@@ -283,11 +283,14 @@ class BlendedStream(SampleStream):
 
     def source_positions(self, position: int) -> dict[str, int]:
         """For each source prefix: how many of its samples the positions ``[0, position)`` drew."""
+        return {s.dataset.path_prefix: c for s, c in zip(self.sources, self.source_counts(position), strict=True)}
+
+    def source_counts(self, position: int) -> list[int]:
+        """:meth:`source_positions` as a list in source order (what ``metrics()`` reads)."""
         p = int(position)
         if p < 0:
             raise ValueError(f"source_positions: position must be non-negative, got {p}")
-        counts = [p] if self.schedule is None else self.schedule.counts(p)
-        return {s.dataset.path_prefix: int(c) for s, c in zip(self.sources, counts, strict=True)}
+        return [p] if self.schedule is None else [int(c) for c in self.schedule.counts(p)]
 
     @property
     def epoch_sizes(self) -> dict[str, int]:

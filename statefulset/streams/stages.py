@@ -16,6 +16,7 @@ changes nothing for the others, and two shards with identical ``.idx`` files get
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from typing import Any
@@ -69,6 +70,7 @@ class StagedStream(SampleStream):
         self._fillers = fillers
         self.padded = padded
         self.starts = numpy.array([start for start, _ in stages], dtype=numpy.int64)
+        self._start_list = self.starts.tolist()
         self.stage_sources = [[s for s, _ in members] for _, members in stages]
         self.stage_weights = [[w for _, w in members] for _, members in stages]
         self.schedules = [BlendSchedule(w) if len(w) > 1 else None for w in self.stage_weights]
@@ -78,6 +80,7 @@ class StagedStream(SampleStream):
             drawn = self._stage_counts(k - 1, int(self.starts[k] - self.starts[k - 1]))
             self.offsets[k] = self.offsets[k - 1] + drawn
         self.schedule = _Locator(self)  # what provenance and the overview call
+        self._offset_rows = self.offsets.tolist()
 
     @property
     def weights(self) -> list[float]:
@@ -108,7 +111,7 @@ class StagedStream(SampleStream):
 
     def stage_of(self, position: int) -> int:
         """The stage governing ``position``."""
-        return int(numpy.searchsorted(self.starts, position, side="right")) - 1
+        return bisect.bisect_right(self._start_list, position) - 1  # on ints: no numpy call per read
 
     def locate(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
         """``(source, local sample)`` of every position."""
@@ -131,12 +134,20 @@ class StagedStream(SampleStream):
 
     def source_positions(self, position: int) -> dict[str, int]:
         """For each source prefix: how many of its samples the positions ``[0, position)`` drew."""
+        return dict(zip(self.prefixes, self.source_counts(position), strict=True))
+
+    def source_counts(self, position: int) -> list[int]:
+        """:meth:`source_positions` as a list in source order, on Python ints (what ``metrics()`` reads)."""
         p = int(position)
         if p < 0:
             raise ValueError(f"source_positions: position must be non-negative, got {p}")
-        k = self.stage_of(p)
-        counts = self.offsets[k] + self._stage_counts(k, p - int(self.starts[k]))
-        return {prefix: int(c) for prefix, c in zip(self.prefixes, counts.tolist(), strict=True)}
+        k = bisect.bisect_right(self._start_list, p) - 1  # stage_of, inlined: metrics() reads this every step
+        n = p - self._start_list[k]
+        schedule = self.schedules[k]
+        out = self._offset_rows[k][:]
+        for s, c in zip(self.stage_sources[k], [n] if schedule is None else schedule.counts(n), strict=True):
+            out[s] += c
+        return out
 
     def _fill(
         self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None
