@@ -84,3 +84,16 @@ def test_keyed_draws_through_workers_are_todays(tmp_path):
                 values += _fields(name, row)
         got[name] = _digest(values)
     assert got == PINNED
+
+
+def test_a_rekeyed_generator_is_a_fresh_keyed_one():
+    """The loader re-keys one Philox per method instead of building one per sample: same state, same draws."""
+    from statefulset.transforms.keyed import Rekeyed, keyed_generator
+
+    rekeyed = Rekeyed()
+    for key, sample_id in [(0, 0), (123, 5), (2**64 - 1, 2**63 + 7), (5, 2**64 - 1)]:
+        fresh, reused = keyed_generator(key, sample_id), rekeyed(key, sample_id)
+        assert str(fresh.bit_generator.state) == str(reused.bit_generator.state)
+        assert fresh.random(3).tolist() == reused.random(3).tolist()
+        assert fresh.integers(0, 9, size=5).tolist() == reused.integers(0, 9, size=5).tolist()
+        assert str(fresh.bit_generator.state) == str(reused.bit_generator.state)

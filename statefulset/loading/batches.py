@@ -41,6 +41,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from statefulset.errors import StatefulsetError
 from statefulset.loading.encoded import pack, received
+from statefulset.loading.encoded_ring import TORCH_DTYPES, Staged, in_ring_layout, staged, write_slot
 from statefulset.loading.read_ahead import read_ahead, read_ahead_depth
 from statefulset.loading.state import Cursor
 from statefulset.shards import storage_stats
@@ -53,11 +54,7 @@ from statefulset.streams.provenance import source_prefixes
 # cannot pay for, while a bundle of eight can.
 BUNDLE_BYTES = 256 * 1024
 MAX_BUNDLE = 16
-_TORCH_DTYPES = {
-    numpy.dtype(numpy.float32): torch.float32,
-    numpy.dtype(numpy.int32): torch.int32,
-    numpy.dtype(numpy.int64): torch.int64,
-}
+_TORCH_DTYPES = TORCH_DTYPES
 
 
 def bundle_size(batch_size: int, fields: list[FieldSpec]) -> int:
@@ -212,32 +209,49 @@ class BatchSource(IterableDataset):
             for t in numbers:
                 yield t, None  # built by the caller, straight into its buffer
 
-    def encoded(self, t: int, rows: Any) -> Any:
-        """Batch ``t`` through the task encoder (``rows``: its fields, a future of them, or None to build)."""
+    def encoded(self, t: int, rows: Any, ring: BatchRing | None = None) -> Any:
+        """Batch ``t`` through the task encoder (``rows``: its fields, a future of them, or None to build).
+
+        With the worker's ``ring``: the global RNG states are the caller's to put back (once per
+        hand-off), and samples that keep the dataset's layout come back :class:`Staged` for the ring.
+        """
         fields = rows.result() if rows is not None else self._build(t)
+        positions = self.cursor.positions(t)
         sources = source_prefixes(self.stream, self.positions(t))
-        return self.encoder.micro_batch(fields, self.cursor.positions(t), sources)
+        if ring is None:
+            return self.encoder.micro_batch(fields, positions, sources)
+        if not self.encoder.collates:
+            return self.encoder.micro_batch(fields, positions, sources, keep=False)
+        samples = self.encoder.encoded_samples(fields, positions, sources)
+        found = staged(samples, ring.fields, positions, numpy.iinfo(ring.dtype))
+        return found if found is not None else self.encoder.batched(samples, int(positions[0]))
 
     def _serve_encoded(self, ring: BatchRing, worker: int, workers: int) -> Iterator[tuple[Any, ...]]:
         """A worker's encoded micro-batches, a bundle at a time: through the ring when they keep its
-        layout, else packed (statefulset.loading.encoded); errors as the ring's."""
+        layout, else packed (statefulset.loading.encoded); errors as the ring's. A keyed encoder's
+        global RNG states are put back before each hand-off (statefulset.transforms.encoder)."""
         t = None
+        saved = None
         try:
             self.stream.check_unchanged()  # a worker (re)started: the .bin files are still the ones opened
+            saved = self.encoder.saved_globals()
             pending: list[Any] = []
             bundles = 0
             for t, rows in self.batches(numpy.int64, worker, workers, ring.bundle):
                 if pending and t != pending[0][0] + len(pending):  # the next bundle began: send this one
-                    yield self._send_encoded(ring, worker, bundles, pending)
+                    yield self._send_encoded(ring, worker, bundles, pending, saved)
                     pending, bundles = [], bundles + 1
-                pending.append((t, self.encoded(t, rows)))
+                pending.append((t, self.encoded(t, rows, ring)))
                 if len(pending) == ring.bundle:
-                    yield self._send_encoded(ring, worker, bundles, pending)
+                    yield self._send_encoded(ring, worker, bundles, pending, saved)
                     pending, bundles = [], bundles + 1
             if pending:
-                yield self._send_encoded(ring, worker, bundles, pending)
+                yield self._send_encoded(ring, worker, bundles, pending, saved)
         except Exception as exc:  # reported by the trainer, naming this worker and batch
             yield "error", worker, t, f"{type(exc).__name__}: {exc}"
+        finally:
+            if saved is not None:
+                self.encoder.restore(saved)
 
     def fill(
         self, ring: BatchRing, worker: int, slot: int, numbers: range, stale: Callable[[], bool]
@@ -246,7 +260,9 @@ class BatchSource(IterableDataset):
         process: the note :func:`receive` takes, or None when ``stale()`` turned true before a batch
         (a worker pool re-targeted mid-bundle: statefulset.integrations.torchft). Errors as the ring's."""
         t = None
+        saved = None
         try:
+            saved = self.encoder.saved_globals() if self.encoder is not None else None
             depth = read_ahead_depth() if self.stream.remote else 0
             dtype = numpy.int64 if self.encoder is not None else ring.dtype
             built = read_ahead(lambda t: self._build(t, dtype=dtype), numbers, depth) if depth else None
@@ -261,49 +277,35 @@ class BatchSource(IterableDataset):
                     return None
                 rows = next(built)[1] if built is not None else None
                 if self.encoder is not None:
-                    pending.append((t, self.encoded(t, rows)))
+                    pending.append((t, self.encoded(t, rows, ring)))
                 elif rows is None:
                     self._build(t, out={name: array[i] for name, array in view.items()})
                 else:
                     for name, value in rows.result().items():
                         view[name][i][...] = value
             if self.encoder is not None:
-                return self._send_encoded(ring, worker, slot, pending)
+                return self._send_encoded(ring, worker, slot, pending, saved)
             return _sent(ring, worker, slot, numbers[0], len(numbers))
         except Exception as exc:  # reported by the trainer, naming this worker and batch
             return "error", worker, t, f"{type(exc).__name__}: {exc}"
+        finally:
+            if saved is not None:
+                self.encoder.restore(saved)
 
-    def _send_encoded(self, ring: BatchRing, worker: int, bundles: int, pending: list[Any]) -> tuple[Any, ...]:
+    def _send_encoded(
+        self, ring: BatchRing, worker: int, bundles: int, pending: list[Any], saved: Any
+    ) -> tuple[Any, ...]:
+        if saved is not None:  # the global RNG states as they were before the worker's keyed calls
+            self.encoder.restore(saved)
         first, batches = pending[0][0], [batch for _, batch in pending]
-        if not all(self._in_ring_layout(ring, t, batch) for t, batch in pending):
-            return ("encoded", worker, first, len(batches), *pack(batches))
+        if not all(in_ring_layout(ring, self.cursor.positions(t), batch) for t, batch in pending):
+            return ("encoded", worker, first, len(batches), *pack([_collated(b) for b in batches]))
         slot = bundles % ring.slots
         ring.begin(worker, slot, first)
         view = ring.view(worker, slot)
         for i, batch in enumerate(batches):
-            for name, array in view.items():
-                array[i][...] = batch[name].numpy()  # text narrowed: its values were checked to fit
+            write_slot(view, i, batch)
         return _sent(ring, worker, slot, first, len(batches))
-
-    def _in_ring_layout(self, ring: BatchRing, t: int, batch: Any) -> bool:
-        """Whether batch ``t`` is exactly what the ring delivers: its fields (then ``sample_id``, the
-        positions) as tensors of their shapes and dtypes (``text`` int64), the tokens within the ring's dtype."""
-        if type(batch) is not dict or list(batch) != [f.name for f in ring.fields] + ["sample_id"]:
-            return False
-        for field in ring.fields:
-            value = batch[field.name]
-            dtype = torch.int64 if field.name == "text" else _TORCH_DTYPES[field.dtype]
-            if not isinstance(value, torch.Tensor) or value.dtype != dtype:
-                return False
-            if tuple(value.shape) != (ring.batch_size, *field.shape):
-                return False
-        ids, text = batch["sample_id"], batch["text"]
-        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
-            return False
-        if not numpy.array_equal(ids.numpy(), self.cursor.positions(t)):
-            return False
-        limits = numpy.iinfo(ring.dtype)
-        return not text.numel() or (int(text.min()) >= limits.min and int(text.max()) <= limits.max)
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -352,6 +354,10 @@ class BatchSource(IterableDataset):
                 yield _sent(ring, info.id, bundles % ring.slots, first, filled)
         except Exception as exc:  # reported by the trainer, naming this worker and batch
             yield "error", info.id, t, f"{type(exc).__name__}: {exc}"
+
+
+def _collated(batch: Any) -> Any:
+    return batch.collated() if isinstance(batch, Staged) else batch
 
 
 def _sent(ring: BatchRing, worker: int, slot: int, first: int, count: int) -> tuple[Any, ...]:

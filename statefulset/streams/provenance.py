@@ -202,13 +202,15 @@ def source_prefixes(stream: SampleStream, positions: numpy.ndarray) -> list[str]
     """The source prefix of each stream position (what ``explain(p).source`` says), vectorised and O(1)
     per position: the blend's choice of source, without locating the pieces."""
     p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
+    prefixes = [source.dataset.path_prefix for source in stream.sources]  # type: ignore[attr-defined]
+    if len(prefixes) == 1:  # one source: no choice to look up (a task encoder asks this per micro-batch)
+        return prefixes * p.size
     blend = getattr(stream, "blend", None)
     if stream.packing == "megatron":
         which = numpy.zeros(p.size, dtype=numpy.int64) if blend is None else blend["dataset_index"][p]
     else:
         schedule = getattr(stream, "schedule", None)
         which = numpy.zeros(p.size, dtype=numpy.int64) if schedule is None else schedule.locate(p)[0]
-    prefixes = [source.dataset.path_prefix for source in stream.sources]  # type: ignore[attr-defined]
     return [prefixes[int(w)] for w in which]
 
 

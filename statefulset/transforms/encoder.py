@@ -26,9 +26,9 @@ from statefulset.errors import StatefulsetError
 from statefulset.transforms.collate import collate
 from statefulset.transforms.hooks import hook, refuse_hooks
 from statefulset.transforms.keyed import (
+    Rekeyed,
     base_key,
     encoder_identity,
-    keyed_generator,
     restore_globals,
     restores_seeds,
     save_globals,
@@ -59,6 +59,7 @@ class _Method:
         )  # fmt: skip
         self.key = base_key(seed, identity, name)
         self.rng_key = base_key(seed, identity, name + "/rng")
+        self.generator = Rekeyed() if self.rng else None  # keyed_generator's draws, re-keyed per call
 
 
 class TaskEncoderRunner:
@@ -91,7 +92,7 @@ class TaskEncoderRunner:
         return f"{self.identity} (keyed by spec seed {self.seed} and sample_id)"
 
     def _run(self, method: _Method, sample_id: int, argument: Any) -> Any:
-        kwargs = {"rng": keyed_generator(method.rng_key, sample_id)} if method.rng else {}
+        kwargs = {"rng": method.generator(method.rng_key, sample_id)} if method.generator is not None else {}
         try:
             if method.keyed:  # the caller saved the global states and puts them back (_globals_kept)
                 seed_globals(method.key, sample_id)
@@ -136,10 +137,11 @@ class TaskEncoderRunner:
             )
 
     @contextlib.contextmanager
-    def _globals_kept(self) -> Iterator[None]:
+    def _globals_kept(self, keep: bool = True) -> Iterator[None]:
         """The global RNG states as they were, after keyed calls: saved once per micro-batch, not per call
-        (~0.3 ms), as nothing else runs between the calls of one micro-batch."""
-        if not self.keyed:
+        (~0.2 ms), as nothing else runs between the calls of one micro-batch. ``keep=False``: the caller
+        keeps them (:meth:`saved_globals`)."""
+        if not self.keyed or not keep:
             yield
             return
         saved = save_globals()
@@ -148,17 +150,27 @@ class TaskEncoderRunner:
         finally:
             restore_globals(saved)
 
+    def saved_globals(self) -> Any:
+        """For a DataLoader worker, which puts the global RNG states back once per hand-off instead of
+        per micro-batch: the states now (None when no method is keyed); give them to :meth:`restore`."""
+        return save_globals() if self.keyed else None
+
+    @staticmethod
+    def restore(saved: Any) -> None:
+        """Put back the global RNG states :meth:`saved_globals` returned."""
+        restore_globals(saved)
+
     def sample(self, rows: dict[str, numpy.ndarray], i: int, sample_id: int, source: str) -> Any:
         """Row ``i`` of a micro-batch's fields, as a TokenSample, encoded (``ds[p]``)."""
         with self._globals_kept():
-            return self._sample(rows, i, sample_id, source)
+            return self._sample(rows, i, int(sample_id), source)
 
     def _sample(self, rows: dict[str, numpy.ndarray], i: int, sample_id: int, source: str) -> Any:
-        sample = TokenSample(text=rows["text"][i], sample_id=int(sample_id), source=source)
+        sample = TokenSample(text=rows["text"][i], sample_id=sample_id, source=source)
         for name, values in rows.items():
             if name != "text":
                 setattr(sample, name, values[i])
-        encoded = self._run(self.encode, int(sample_id), sample)
+        encoded = self._run(self.encode, sample_id, sample)
         if encoded is None or hasattr(encoded, "__next__"):
             raise StatefulsetError(
                 f"task encoder {self.identity}: encode_sample returned "
@@ -167,18 +179,32 @@ class TaskEncoderRunner:
             )
         return encoded
 
-    def micro_batch(self, rows: dict[str, numpy.ndarray], sample_ids: numpy.ndarray, sources: list[str]) -> Any:
-        """One micro-batch, encoded: ``batch`` (or the default collate) then ``encode_batch``."""
-        with self._globals_kept():
-            samples = [self._sample(rows, i, int(p), sources[i]) for i, p in enumerate(sample_ids)]
-            first = int(sample_ids[0])
-            if self.batch is None:
-                out: Any = collate(samples, f"task encoder {self.identity}")
-            else:
-                out = self._run(self.batch, first, samples)
-            if self.encode_batch is not None:
-                out = self._run(self.encode_batch, first, out)
-            return out
+    def micro_batch(
+        self, rows: dict[str, numpy.ndarray], sample_ids: numpy.ndarray, sources: list[str], keep: bool = True
+    ) -> Any:
+        """One micro-batch, encoded: ``batch`` (or the default collate) then ``encode_batch``; the global
+        RNG states put back afterwards unless ``keep=False`` (the caller does: :meth:`saved_globals`)."""
+        with self._globals_kept(keep):
+            return self.batched(self.encoded_samples(rows, sample_ids, sources), int(sample_ids[0]))
+
+    def encoded_samples(self, rows: dict[str, numpy.ndarray], sample_ids: numpy.ndarray, sources: list[str]) -> list:
+        """A micro-batch's rows, each through ``encode_sample`` (inside the caller's :meth:`_globals_kept`)."""
+        return [self._sample(rows, i, p, sources[i]) for i, p in enumerate(sample_ids.tolist())]
+
+    @property
+    def collates(self) -> bool:
+        """Whether batches are the default collate of the encoded samples (no ``batch``, no ``encode_batch``)."""
+        return self.batch is None and self.encode_batch is None
+
+    def batched(self, samples: list, first: int) -> Any:
+        """Encoded samples as the micro-batch: ``batch`` (or the default collate) then ``encode_batch``."""
+        if self.batch is None:
+            out: Any = collate(samples, f"task encoder {self.identity}")
+        else:
+            out = self._run(self.batch, first, samples)
+        if self.encode_batch is not None:
+            out = self._run(self.encode_batch, first, out)
+        return out
 
 
 def _same_numpy(a: Any, b: Any) -> bool:

@@ -43,6 +43,31 @@ def keyed_generator(key: int, sample_id: int) -> numpy.random.Generator:
     return numpy.random.Generator(numpy.random.Philox(key=((key & _MASK64) << 64) | (int(sample_id) & _MASK64)))
 
 
+class Rekeyed:
+    """One Philox generator, re-keyed for each call: what :func:`keyed_generator` gives (the same state,
+    so the same draws), without building a bit generator per sample (~15 µs, most of it the OS
+    entropy of a SeedSequence that a keyed Philox never uses). The generator handed out is valid
+    for the call it was made for; the next call re-keys it."""
+
+    def __init__(self) -> None:
+        self.bits = numpy.random.Philox(key=0)
+        self.generator = numpy.random.Generator(self.bits)
+        self._zeros = numpy.zeros(4, dtype=numpy.uint64)
+
+    def __call__(self, key: int, sample_id: int) -> numpy.random.Generator:
+        # A fresh Philox's state: counter 0, the key's low word first, the buffer empty.
+        words = numpy.array([int(sample_id) & _MASK64, key & _MASK64], dtype=numpy.uint64)
+        self.bits.state = {
+            "bit_generator": "Philox",
+            "state": {"counter": self._zeros, "key": words},
+            "buffer": self._zeros,
+            "buffer_pos": 4,
+            "has_uint32": 0,
+            "uinteger": 0,
+        }
+        return self.generator
+
+
 def _torch() -> Any:
     import torch
 

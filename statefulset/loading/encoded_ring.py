@@ -1,0 +1,114 @@
+"""Encoded samples that keep the dataset's layout, collated straight into the batch ring's slots.
+
+An encoder without ``batch``/``encode_batch`` whose samples keep the dataset's fields (an identity,
+or fill-in-the-middle, which changes tokens in place) gives batches the ring can carry
+(:mod:`statefulset.loading.encoded`). Collating them first (a tensor per field, then checking the
+layout on the tensors) cost more than the encoder itself; here the samples' arrays are checked
+and copied once into *staged* arrays of the ring's row shapes (``text`` in int64, as collated),
+which the worker then writes into its slot, or, when some batch of the bundle does not fit,
+turns into the collated dict the default collate gives, tensor for tensor.
+
+A sample qualifies when it is a :class:`TokenSample` that holds exactly the ring's fields (no
+others), each a numpy array (or numpy scalar) of the field's row shape and dtype (``text``:
+int64), and its ``sample_id`` is its position as an int. Anything else goes through the default
+collate (statefulset.transforms.collate) and the layout check on its result, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+import torch
+
+from statefulset.streams.documents import FieldSpec
+from statefulset.transforms.sample import DATASET_FIELDS, TokenSample
+
+_INT64 = numpy.dtype(numpy.int64)
+
+
+class Staged:
+    """One micro-batch's fields as ``[batch_size, *shape]`` arrays (``text`` int64), in the ring's order."""
+
+    def __init__(self, arrays: dict[str, numpy.ndarray], positions: numpy.ndarray) -> None:
+        self.arrays = arrays
+        self.positions = positions
+
+    def collated(self) -> dict[str, Any]:
+        """What the default collate gives for the same samples: each field a tensor, then ``sample_id``."""
+        out: dict[str, Any] = {name: torch.from_numpy(values) for name, values in self.arrays.items()}
+        out["sample_id"] = torch.from_numpy(numpy.array(self.positions, dtype=numpy.int64))
+        return out
+
+
+def _names(fields: list[FieldSpec]) -> tuple[str, ...] | None:
+    """The ring's field names, when they are in the order a TokenSample lists them (else never staged)."""
+    names = tuple(f.name for f in fields)
+    order = [n for n in DATASET_FIELDS if n in names]
+    return names if list(names) == order and len(order) == len(names) else None
+
+
+def staged(samples: list[Any], fields: list[FieldSpec], positions: numpy.ndarray, limits: Any) -> Staged | None:
+    """The samples staged for the ring (see the module's docstring), or None when they do not qualify."""
+    names = _names(fields)
+    if names is None:
+        return None
+    expected = [(f.name, _INT64 if f.name == "text" else f.dtype, f.shape) for f in fields]
+    arrays = {name: numpy.empty((len(samples), *shape), dtype=dtype) for name, dtype, shape in expected}
+    wanted = set(names) | {"text", "sample_id", "source"}
+    for i, (sample, position) in enumerate(zip(samples, positions.tolist(), strict=True)):
+        if type(sample) is not TokenSample or type(sample.sample_id) is not int or sample.sample_id != position:
+            return None
+        held = vars(sample)
+        if any(value is not None and key not in wanted for key, value in held.items()):
+            return None  # a field the encoder added, or a dataset field the ring does not carry
+        for name, dtype, shape in expected:
+            value = held[name]
+            if type(value) is not numpy.ndarray:
+                if not isinstance(value, numpy.generic):
+                    return None
+                value = numpy.asarray(value)
+            if value.dtype != dtype or value.shape != shape:
+                return None
+            arrays[name][i] = value
+    text = arrays["text"]
+    if text.size and (int(text.min()) < limits.min or int(text.max()) > limits.max):
+        return None
+    return Staged(arrays, positions)
+
+
+# The ring's dtypes for fields other than text, as tensors (text arrives as int64).
+TORCH_DTYPES = {
+    numpy.dtype(numpy.float32): torch.float32,
+    numpy.dtype(numpy.int32): torch.int32,
+    numpy.dtype(numpy.int64): torch.int64,
+}
+
+
+def in_ring_layout(ring: Any, positions: numpy.ndarray, batch: Any) -> bool:
+    """Whether a collated batch is exactly what the ring delivers: its fields (then ``sample_id``, the
+    positions) as tensors of their shapes and dtypes (``text`` int64), the tokens within the ring's dtype."""
+    if isinstance(batch, Staged):
+        return True
+    if type(batch) is not dict or list(batch) != [f.name for f in ring.fields] + ["sample_id"]:
+        return False
+    for field in ring.fields:
+        value = batch[field.name]
+        dtype = torch.int64 if field.name == "text" else TORCH_DTYPES[field.dtype]
+        if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+            return False
+        if tuple(value.shape) != (ring.batch_size, *field.shape):
+            return False
+    ids, text = batch["sample_id"], batch["text"]
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        return False
+    if not numpy.array_equal(ids.numpy(), positions):
+        return False
+    limits = numpy.iinfo(ring.dtype)
+    return not text.numel() or (int(text.min()) >= limits.min and int(text.max()) <= limits.max)
+
+
+def write_slot(view: dict[str, numpy.ndarray], i: int, batch: Any) -> None:
+    """Batch ``i`` of a bundle into the slot's arrays (text narrowed: its values were checked to fit)."""
+    for name, array in view.items():
+        array[i][...] = batch.arrays[name] if isinstance(batch, Staged) else batch[name].numpy()
