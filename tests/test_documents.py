@@ -309,6 +309,29 @@ def test_boundaries_through_workers_equal_in_process_and_after_restore(corpus, p
                 numpy.testing.assert_array_equal(ours[name][j].numpy(), value, err_msg=name)
 
 
+def test_boundaries_of_remote_shards_through_workers_reading_ahead(corpus, tmp_path, monkeypatch):
+    """Remote shards are built on read-ahead threads, outside the ring slot: the pieces travel all the same."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from s3_servers import moto_server, upload
+
+    with moto_server() as server:
+        upload(server, "docs", {f"c/part_1{ext}": corpus[1] + ext for ext in (".bin", ".idx")})
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        for packing in ("megatron", "native", "bestfit"):
+            common = {"seq_length": 50, "packing": packing, "split": "1", "path_to_cache": str(tmp_path / "cache")}
+            local = get_train_dataset({**common, "data_path": corpus[1]}, batch_size=3, document_boundaries=True)
+            remote_spec = {**common, "data_path": "s3://docs/c/part_1", "storage_options": server.options()}
+            wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+            ds = get_train_dataset(remote_spec, batch_size=3, worker_config=wc, document_boundaries=True)
+            assert ds.stream.remote
+            for _, batch in zip(range(6), get_savable_loader(ds), strict=False):
+                for j, p in enumerate(batch["sample_id"].tolist()):
+                    for name, value in local[p].items():
+                        numpy.testing.assert_array_equal(batch[name][j].numpy(), value, err_msg=f"{packing} {name}")
+
+
 @pytest.mark.parametrize("packing", ["megatron", "native", "bestfit"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_boundaries_travel_with_batches_from_workers(corpus, packing, workers):
