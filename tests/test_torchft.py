@@ -215,7 +215,7 @@ def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale
 
 
 TRAINER = """
-import json, sys, time
+import json, os, sys, time
 from statefulset import WorkerConfig, get_train_dataset
 from statefulset.integrations.torchft import FaultTolerantLoader
 
@@ -227,9 +227,12 @@ class Quorum:  # torchft's answers for one quorum of 2, this replica rank 1
     def batches_committed(self): return 0
     def current_step(self): return 0
 
+if sys.argv[3] == "1":  # gate: the workers are still starting when the trainer is killed
+    os.register_at_fork(after_in_child=lambda: time.sleep(5))
 wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
 loader = FaultTolerantLoader(get_train_dataset(sys.argv[1], batch_size=2, worker_config=wc), Quorum())
-next(loader)
+for _ in range(int(sys.argv[3])):  # the first is built in the trainer, the next by the workers
+    next(loader)
 open(sys.argv[2], "w").write(json.dumps(loader.worker_pids()))
 time.sleep(600)
 """
@@ -244,10 +247,13 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_the_workers_die_with_a_trainer_killed_by_sigkill(spec, tmp_path):
-    """The persistent workers outlive plans, not their trainer: SIGKILLed, it leaves none behind."""
+@pytest.mark.parametrize("batches", [1, 3], ids=["while-workers-start", "after-workers-served"])
+def test_the_workers_die_with_a_trainer_killed_by_sigkill(spec, tmp_path, batches):
+    """The persistent workers outlive plans, not their trainer: SIGKILLed, it leaves none behind,
+    whether the workers had served batches or were still starting (the first batch is the trainer's;
+    each forked child sleeps 5 s before it runs anything, so the kill lands during the start)."""
     out = tmp_path / "pids.json"
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, spec, str(out)])
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, spec, str(out), str(batches)])
     try:
         _wait_for(lambda: out.exists() and out.read_text(), 120, "the trainer to write its worker pids")
         pids = json.loads(out.read_text())
@@ -256,4 +262,20 @@ def test_the_workers_die_with_a_trainer_killed_by_sigkill(spec, tmp_path):
         trainer.kill()
         trainer.wait(timeout=30)
     # torch's workers look at their parent every 5 s (MP_STATUS_CHECK_INTERVAL) and leave.
-    _wait_for(lambda: not any(_running(p) for p in pids), 60, f"the workers {pids} to exit after their trainer")
+    deadline = time.monotonic() + 60
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {p: _state(p) for p in pids if _running(p)}
+    assert not left, f"workers still running 60 s after their trainer was SIGKILLed: {left}"
+
+
+def _state(pid: int) -> str:
+    """A process's state, kernel wait channel and Python-visible name, for a failure message."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+        return f"{status['Name'].strip()} {status['State'].strip()} ppid {status['PPid'].strip()} wchan {wchan}"
+    except (FileNotFoundError, KeyError):
+        return "gone"

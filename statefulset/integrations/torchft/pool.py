@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from typing import Any, NamedTuple
 
 import torch
@@ -99,9 +100,10 @@ class Builds(Dataset):
     note is what :func:`~statefulset.loading.batches.receive` takes, or None when the request's
     plan was replaced before or while it was built."""
 
-    def __init__(self, source: BatchSource, generation: torch.Tensor) -> None:
+    def __init__(self, source: BatchSource, generation: torch.Tensor, trainer: int | None) -> None:
         self.source = source
         self.generation = generation  # shared: the current plan's generation
+        self.trainer = trainer  # the forking trainer's pid (None: not forked)
         self.requests = 0
         self.checked = False
 
@@ -134,7 +136,13 @@ class Builds(Dataset):
 def _started(worker_id: int) -> None:
     """A worker's first act (worker_init_fn): its start flag, its storage counters."""
     info = get_worker_info()
-    source: BatchSource = info.dataset.source  # type: ignore[union-attr]
+    builds: Builds = info.dataset  # type: ignore[union-attr,assignment]
+    if builds.trainer is not None and os.getppid() != builds.trainer:
+        # The trainer died while this worker started. torch's watch on the parent begins after this
+        # function, taking the parent it sees then (init, here) for the trainer: it would never
+        # notice, and the worker would wait for requests forever (seen in the SIGKILL test).
+        os._exit(0)
+    source = builds.source
     ring: BatchRing = source.ring  # type: ignore[assignment]
     ring.started[worker_id] = 1
     storage_stats.attach(ring.stats[worker_id].numpy(), [d.path_prefix for d in source.stream.shards])
@@ -193,8 +201,9 @@ class PlanWorkers:
         d = self.dataset
         seed = derive_key(d.stream.spec.seed, d.worker_config.seed_offset, d.worker_config.rank) >> 1
         self.ring.started.zero_()
+        forking = self.start_watch.forking
         loader = DataLoader(
-            Builds(self._source(self.plan.cursor), self.generation),  # type: ignore[union-attr]
+            Builds(self._source(self.plan.cursor), self.generation, os.getpid() if forking else None),  # type: ignore[union-attr]
             batch_size=None, sampler=self.feed, collate_fn=_identity, num_workers=self.workers,
             prefetch_factor=self.options.prefetch_factor, persistent_workers=True, worker_init_fn=_started,
             multiprocessing_context=self.options.multiprocessing_context,
