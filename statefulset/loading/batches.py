@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from statefulset.errors import StatefulsetError
-from statefulset.loading.encoded import pack, received
+from statefulset.loading.encoded import Arena, from_arena, pack, received
 from statefulset.loading.encoded_ring import TORCH_DTYPES, Staged, in_ring_layout, staged, write_slot
 from statefulset.loading.read_ahead import read_ahead, read_ahead_depth
 from statefulset.loading.state import Cursor
@@ -170,6 +170,10 @@ class BatchSource(IterableDataset):
         # statefulset.loading.encoded describes, not through the ring's slots.
         self.encoder = encoder
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The trainer's arena blocks (_from_arena) stay in the trainer.
+        return {k: v for k, v in self.__dict__.items() if k != "_arenas"}
+
     def positions(self, t: int) -> numpy.ndarray:
         """The stream positions that batch ``t`` reads (its sample ids modulo a validation wrap)."""
         positions = self.cursor.positions(t)
@@ -237,16 +241,17 @@ class BatchSource(IterableDataset):
             saved = self.encoder.saved_globals()
             pending: list[Any] = []
             bundles = 0
+            arena = Arena(ring.slots)  # bundles out of the ring's layout
             for t, rows in self.batches(numpy.int64, worker, workers, ring.bundle):
                 if pending and t != pending[0][0] + len(pending):  # the next bundle began: send this one
-                    yield self._send_encoded(ring, worker, bundles, pending, saved)
+                    yield self._send_encoded(ring, worker, bundles, pending, saved, arena)
                     pending, bundles = [], bundles + 1
                 pending.append((t, self.encoded(t, rows, ring)))
                 if len(pending) == ring.bundle:
-                    yield self._send_encoded(ring, worker, bundles, pending, saved)
+                    yield self._send_encoded(ring, worker, bundles, pending, saved, arena)
                     pending, bundles = [], bundles + 1
             if pending:
-                yield self._send_encoded(ring, worker, bundles, pending, saved)
+                yield self._send_encoded(ring, worker, bundles, pending, saved, arena)
         except Exception as exc:  # reported by the trainer, naming this worker and batch
             yield "error", worker, t, f"{type(exc).__name__}: {exc}"
         finally:
@@ -293,14 +298,18 @@ class BatchSource(IterableDataset):
                 self.encoder.restore(saved)
 
     def _send_encoded(
-        self, ring: BatchRing, worker: int, bundles: int, pending: list[Any], saved: Any
+        self, ring: BatchRing, worker: int, bundles: int, pending: list[Any], saved: Any, arena: Arena | None = None
     ) -> tuple[Any, ...]:
+        """A bundle into the ring's slot when it keeps the layout, else into the arena's (or one block)."""
         if saved is not None:  # the global RNG states as they were before the worker's keyed calls
             self.encoder.restore(saved)
         first, batches = pending[0][0], [batch for _, batch in pending]
-        if not all(in_ring_layout(ring, self.cursor.positions(t), batch) for t, batch in pending):
-            return ("encoded", worker, first, len(batches), *pack([_collated(b) for b in batches]))
         slot = bundles % ring.slots
+        if not all(in_ring_layout(ring, self.cursor.positions(t), batch) for t, batch in pending):
+            values = [_collated(b) for b in batches]
+            if arena is not None:
+                return ("arena", worker, first, len(batches), *arena.place(values, slot, first))
+            return ("encoded", worker, first, len(batches), *pack(values))
         ring.begin(worker, slot, first)
         view = ring.view(worker, slot)
         for i, batch in enumerate(batches):
@@ -356,6 +365,15 @@ class BatchSource(IterableDataset):
             yield "error", info.id, t, f"{type(exc).__name__}: {exc}"
 
 
+def _from_arena(source: BatchSource, item: tuple[Any, ...]) -> tuple[int, list[Any]]:
+    """An arena hand-off's batches (statefulset.loading.encoded.Arena); the blocks held on the trainer's source."""
+    arenas = source.__dict__.setdefault("_arenas", {})
+    try:
+        return from_arena(arenas, item, source.ring.slots)  # type: ignore[union-attr]
+    except ValueError as exc:
+        raise StatefulsetError(str(exc)) from None
+
+
 def _collated(batch: Any) -> Any:
     return batch.collated() if isinstance(batch, Staged) else batch
 
@@ -372,8 +390,11 @@ def receive(source: BatchSource, item: Any, expected: int) -> list[Any]:
         _, worker, t, message = item
         where = f"micro-batch {t}" if t is not None else "its first micro-batch"
         raise StatefulsetError(f"DataLoader worker {worker}, building {where}: {message}")
-    if item[0] in ("encoded", "local"):
-        t, batches = received(item) if item[0] == "encoded" else (item[1], [item[2]])
+    if item[0] in ("encoded", "local", "arena"):
+        if item[0] == "arena":
+            t, batches = _from_arena(source, item)
+        else:
+            t, batches = received(item) if item[0] == "encoded" else (item[1], [item[2]])
         if t != expected:
             raise StatefulsetError(f"internal: expected micro-batch {expected}, a worker delivered {t}")
         return batches

@@ -18,6 +18,8 @@ copied bit for bit: exactness holds.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 from typing import Any, NamedTuple
 
 import numpy
@@ -131,6 +133,83 @@ def pin(value: Any) -> Any:
 def received(item: tuple[Any, ...]) -> tuple[int, list[Any]]:
     """``(first micro-batch, batches)`` of an ``"encoded"`` hand-off."""
     _, _, first, count, flat, skeletons = item
+    if len(skeletons) != count:
+        raise ValueError(f"internal: an encoded bundle of {count} batches holds {len(skeletons)}")
+    return first, [unpack(flat, s) for s in skeletons]
+
+
+# The arena's header: per slot, the begin and end stamps (int64), as the ring's.
+_STAMP_BYTES = 16
+_ARENA_MIN = 1 << 16
+_arena_numbers = itertools.count()
+
+
+class Arena:
+    """A worker's shared-memory slots for packed bundles, made once per pass (and again when a bundle
+    outgrows them) instead of a block per bundle: a segment costs ~1 ms on each side (made, its file
+    descriptor passed, mapped), a slot a copy. The block travels with the first bundle that uses it;
+    later bundles name it. Slots are used as the ring's (``slots = prefetch_factor + 1``, the same
+    bundle count), with the same begin/end stamps, which the trainer checks after copying a slot out."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.block: torch.Tensor | None = None
+        self.slot_bytes = 0
+        self.name = ""
+        self._stamps: numpy.ndarray | None = None
+
+    def _made(self, size: int) -> bool:
+        """Slots of at least ``size`` bytes: True when a new block was made for them."""
+        if self.block is not None and size <= self.slot_bytes:
+            return False
+        self.slot_bytes = -(-max(size + size // 4, _ARENA_MIN) // 4096) * 4096
+        header = -(-self.slots * _STAMP_BYTES // 64) * 64
+        self.block = torch.empty(header + self.slots * self.slot_bytes, dtype=torch.uint8).share_memory_()
+        self._stamps = self.block[: self.slots * _STAMP_BYTES].numpy().view(numpy.int64).reshape(self.slots, 2)
+        self._stamps[:] = -1
+        self.name = f"{os.getpid()}.{next(_arena_numbers)}"
+        return True
+
+    def place(self, values: list[Any], slot: int, first: int) -> tuple[Any, ...]:
+        """The bundle's arrays copied into ``slot``: ``(name, block or None, slot, slot_bytes, used, skeletons)``."""
+        packer = _Packer()
+        skeletons = [packer.walk(v) for v in values]
+        made = self._made(packer.size)
+        assert self.block is not None and self._stamps is not None
+        self._stamps[slot, 0] = first
+        base = _header(self.slots) + slot * self.slot_bytes
+        for offset, tensor in packer.parts:
+            if tensor.numel():
+                target = self.block[base + offset : base + offset + tensor.numel() * tensor.element_size()]
+                target.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self._stamps[slot, 1] = first
+        return self.name, self.block if made else None, slot, self.slot_bytes, packer.size, skeletons
+
+
+def _header(slots: int) -> int:
+    return -(-slots * _STAMP_BYTES // 64) * 64
+
+
+def from_arena(arenas: dict[int, tuple[str, torch.Tensor]], item: tuple[Any, ...], slots: int) -> tuple[int, list]:
+    """``(first micro-batch, batches)`` of an ``"arena"`` hand-off, copied out of its slot (the worker
+    may refill the slot once the trainer asks for more); ``arenas``: each worker's current block."""
+    _, worker, first, count, name, block, slot, slot_bytes, used, skeletons = item
+    if block is not None:
+        arenas[worker] = (name, block)  # the worker's earlier blocks: every bundle placed there was taken
+    held = arenas.get(worker)
+    if held is None or held[0] != name:
+        raise ValueError(f"internal: worker {worker} named arena {name}, the trainer holds {held and held[0]}")
+    block = held[1]
+    base = _header(slots) + slot * slot_bytes
+    flat = block[base : base + used].clone()
+    stamps = block[: slots * _STAMP_BYTES].view(torch.int64).view(slots, 2)[slot].tolist()
+    if stamps != [first, first]:
+        raise ValueError(
+            f"arena slot {slot} of DataLoader worker {worker} holds stamps begin={stamps[0]}, end={stamps[1]} "
+            f"after the trainer copied micro-batch {first} out of it (expected {first} for both): the worker "
+            f"refilled the slot during the copy, so torch {torch.__version__} prefetches more than the slots "
+            "were sized for (statefulset.loading.torch_internals)"
+        )
     if len(skeletons) != count:
         raise ValueError(f"internal: an encoded bundle of {count} batches holds {len(skeletons)}")
     return first, [unpack(flat, s) for s in skeletons]
