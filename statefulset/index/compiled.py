@@ -80,7 +80,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_exhaustive_blending_indices.restype = i32
     lib.sf_feistel.argtypes = [array(numpy.int64), i64, i64, i32, array(numpy.uint64), i32, i32, array(numpy.int64)]
     lib.sf_feistel.restype = i32
-    lib.sf_window_permute.argtypes = [array(numpy.int64), i64, i64, i32, ctypes.c_uint64, i32, array(numpy.int64)]
+    # Per batch (native windows): raw addresses, as below.
+    lib.sf_window_permute.argtypes = [ctypes.c_void_p, i64, i64, i32, ctypes.c_uint64, i32, ctypes.c_void_p]
     lib.sf_window_permute.restype = i32
     lib.sf_bestfit_counts.argtypes = [array(numpy.int64), i64, i64, i64, array(numpy.int64)]
     lib.sf_bestfit_counts.restype = i64

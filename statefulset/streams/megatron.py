@@ -39,9 +39,11 @@ class GPTSource:
         self.dataset = dataset
         self.sequence_range = sequence_range if sequence_range is not None else (0, len(dataset))
         self.num_samples = num_samples  # what the index was built for (None: one epoch)
-        self.document_index = arrays["document_index"]
-        self.sample_index = arrays["sample_index"]
-        self.shuffle_index = arrays["shuffle_index"]
+        # Plain ndarray views of the (memory-mapped) cached arrays: numpy.memmap's Python-level
+        # __getitem__ and __array_finalize__ cost ~1.5 µs per index, ten of them per batch.
+        self.document_index = _plain(arrays["document_index"])
+        self.sample_index = _plain(arrays["sample_index"])
+        self.shuffle_index = _plain(arrays["shuffle_index"])
         self.seq_length = seq_length
         self._lengths = dataset.sequence_lengths
         # Byte pointers stay in the mapped .idx; dividing them all at open would hold 8 bytes per
@@ -119,6 +121,11 @@ class GPTSource:
         if not want:
             return None
         return Pieces(pieces, lengths.astype(numpy.int64), numpy.full(k.size, out.shape[1], dtype=numpy.int64))
+
+
+def _plain(array: numpy.ndarray) -> numpy.ndarray:
+    """``array`` as a base-class ndarray (a view of the same memory; it keeps a memmap's mapping alive)."""
+    return array.view(numpy.ndarray) if isinstance(array, numpy.memmap) else array
 
 
 class MegatronStream(SampleStream):
