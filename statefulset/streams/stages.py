@@ -116,6 +116,10 @@ class StagedStream(SampleStream):
     def locate(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
         """``(source, local sample)`` of every position."""
         p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
+        if len(self._start_list) == 1 and self.schedules[0] is None:  # one stage, one source: every batch
+            source = self.stage_sources[0][0]
+            local = p + (self._offset_rows[0][source] - self._start_list[0])
+            return numpy.full(p.size, source, dtype=numpy.int64), local
         stage = numpy.searchsorted(self.starts, p, side="right") - 1
         which = numpy.empty(p.size, dtype=numpy.int64)
         local = numpy.empty(p.size, dtype=numpy.int64)
