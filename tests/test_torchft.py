@@ -182,15 +182,18 @@ def _wait_for(condition, seconds: float, what: str) -> None:
 
 
 def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale_prefetch(spec):
-    """Quorums 3 -> 2 -> 3 -> 1 participants (the rank moving), a failed commit in between: the same
-    two worker processes serve the whole run (no fork at a change), and every row served is the
-    dataset's row at the position the quorum places it (text compared), although at each change the
-    workers held batches built for the old plan (gated: the change waits until they have built ahead)."""
+    """Quorums 3 -> 2 (this replica keeping its rank) -> 2 (rank 1 -> 0) -> 3 -> 1 participants, a
+    failed commit in between: the same two worker processes serve the whole run (no fork at a
+    change), and every row served is the dataset's row at the position the quorum places it (text
+    compared), although at each change the workers held batches built for the old plan (gated: the
+    change waits until they have built ahead). A change that leaves this replica its rank gets the
+    prefetched batch; the trainer builds only the first step, the changes that move it, and the
+    repeated step."""
     quorum = ScriptedQuorum(3, 1)
     wc = WorkerConfig(rank=1, world_size=2, num_workers=2)  # rank 1 of a replica group of 2
     ds = get_train_dataset(spec, batch_size=3, worker_config=wc)
     loader = FaultTolerantLoader(ds, quorum, prefetch_factor=2)
-    script = [(3, 1)] * 6 + [(2, 0)] * 6 + [(3, 2)] * 6 + [(1, 0)] * 5
+    script = [(3, 1)] * 5 + [(2, 1)] * 5 + [(2, 0)] * 5 + [(3, 2)] * 5 + [(1, 0)] * 4
     pids = None
     for step, (participants, rank) in enumerate(script):
         if (participants, rank) != (quorum.participants, quorum.rank):
@@ -206,8 +209,9 @@ def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale
             assert torch.equal(batch["text"][j], torch.as_tensor(ds[p]["text"])), (step, n, p)
         pids = pids or loader.worker_pids()
         assert loader.worker_pids() == pids and len(pids) == 2, step
-        quorum.commit(ok=step != 14)  # step 14 fails: the same rows at step 15
+        quorum.commit(ok=step != 17)  # step 17 fails: the same rows at step 18
     assert loader.workers.discarded > 0  # the old plans' prefetch was there, and dropped
+    assert loader.built_here == 5  # steps 0, 10, 15, 18 (the repeat) and 20
     assert sorted(p.pid for p in multiprocessing.active_children()) == sorted(pids)
     del loader, batch, pool
     gc.collect()

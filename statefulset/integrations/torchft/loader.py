@@ -136,6 +136,7 @@ class FaultTolerantLoader:
         watched = self._options.watchdog.timeout is not None
         self._in_process = InProcessSource(self._builder, "statefulset-torchft-build") if watched else None
         self.last: Served | None = None  # what the last next() handed out
+        self.built_here = 0  # replica-batches built in the trainer process: the steps off the plan
 
     # -- the layout -----------------------------------------------------------------------------
     @property
@@ -199,9 +200,15 @@ class FaultTolerantLoader:
         if self._ended(n):
             raise StopIteration
         workers = self.dataset.worker_config.num_workers
-        if self._plan == (n, stride):
+        if self._plan is not None and self._plan[0] == n:
+            # The plan's next batch: prefetched. Also when the quorum changed but left this replica
+            # its batch (a group above it left or joined): the workers then take the new plan after it.
+            batch = self._workers.next()  # type: ignore[union-attr]
+            if self._plan[1] != stride:
+                _log.info("torchft: the quorum changed to stride %d after replica-batch %d; re-planned", stride, n)
+                self._retarget(n + stride, stride)
             self._plan = (n + stride, stride)
-            return self._workers.next()  # type: ignore[union-attr]
+            return batch
         # Another replica-batch than the plan guessed: built here now. The plan goes on when it
         # still holds for the next step (a failed commit: the same step again); else the workers
         # are re-targeted in place to the new plan and what they built for the old one is dropped.
@@ -212,12 +219,17 @@ class FaultTolerantLoader:
                     "prefetched batches dropped",
                     *self._plan, n, stride,
                 )  # fmt: skip
-            if self._workers is None:
-                self._workers = PlanWorkers(self.dataset, self._options)
-            b, w = self.dataset.batch_size, self.group_size
-            self._workers.retarget((n + stride) * w * b, stride * w)
+            self._retarget(n + stride, stride)
             self._plan = (n + stride, stride)
+        self.built_here += 1
         return self._build(n)
+
+    def _retarget(self, first: int, stride: int) -> None:
+        """The workers' plan from now on: replica-batches ``first, first+stride, ...`` (the first plan forks them)."""
+        if self._workers is None:
+            self._workers = PlanWorkers(self.dataset, self._options)
+        b, w = self.dataset.batch_size, self.group_size
+        self._workers.retarget(first * w * b, stride * w)
 
     @property
     def workers(self) -> PlanWorkers | None:
