@@ -20,10 +20,11 @@ from torch.utils.data import DataLoader
 from statefulset.errors import StatefulsetError
 from statefulset.index.native.keys import derive_key
 from statefulset.loading import torch_internals
-from statefulset.loading.batches import BatchRing, BatchSource, bundle_size, describe_batch, receive
+from statefulset.loading.batches import BatchSource, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
 from statefulset.loading.metrics import Meter, Timer
+from statefulset.loading.ring import BatchRing, bundle_size
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog
 from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, stop_workers
