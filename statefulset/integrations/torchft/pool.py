@@ -25,7 +25,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
@@ -45,7 +46,8 @@ from statefulset.shards import storage_stats
 _log = logging.getLogger("statefulset")
 
 
-class Options(NamedTuple):
+@dataclass(frozen=True)
+class Options:
     """The ``get_savable_loader`` keywords the workers honour (the others have nothing to tune here)."""
 
     prefetch_factor: int
@@ -69,7 +71,10 @@ class Options(NamedTuple):
         )  # fmt: skip
 
 
-class Plan(NamedTuple):
+@dataclass(frozen=True)
+class Plan:
+    """A plan: its generation number and the layout its batches follow."""
+
     generation: int
     cursor: Cursor  # batch t of the plan holds cursor.positions(t); t counts on across plans
 
