@@ -201,7 +201,9 @@ def from_arena(arenas: dict[int, tuple[str, torch.Tensor]], item: tuple[Any, ...
         raise ValueError(f"internal: worker {worker} named arena {name}, the trainer holds {held and held[0]}")
     block = held[1]
     base = _header(slots) + slot * slot_bytes
-    flat = block[base : base + used].clone()
+    # numpy's copy, one thread: torch's clone of a large uint8 tensor starts intra-op threads, whose
+    # waits cost the trainer several ms of CPU a bundle on a loaded machine.
+    flat = torch.from_numpy(block[base : base + used].numpy().copy())
     stamps = block[: slots * _STAMP_BYTES].view(torch.int64).view(slots, 2)[slot].tolist()
     if stamps != [first, first]:
         raise ValueError(

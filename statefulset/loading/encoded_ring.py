@@ -16,6 +16,7 @@ collate (statefulset.transforms.collate) and the layout check on its result, as 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy
@@ -25,6 +26,7 @@ from statefulset.streams.documents import FieldSpec
 from statefulset.transforms.sample import DATASET_FIELDS, TokenSample
 
 _INT64 = numpy.dtype(numpy.int64)
+_OWN_FIELDS = len(dataclasses.fields(TokenSample))  # a TokenSample's attributes when nothing was added
 
 
 class Staged:
@@ -56,12 +58,16 @@ def staged(samples: list[Any], fields: list[FieldSpec], positions: numpy.ndarray
     expected = [(f.name, _INT64 if f.name == "text" else f.dtype, f.shape) for f in fields]
     arrays = {name: numpy.empty((len(samples), *shape), dtype=dtype) for name, dtype, shape in expected}
     wanted = set(names) | {"text", "sample_id", "source"}
+    absent = [n for n in DATASET_FIELDS if n not in wanted]  # the dataset fields the ring does not carry
     for i, (sample, position) in enumerate(zip(samples, positions.tolist(), strict=True)):
         if type(sample) is not TokenSample or type(sample.sample_id) is not int or sample.sample_id != position:
             return None
-        held = vars(sample)
-        if any(value is not None and key not in wanted for key, value in held.items()):
-            return None  # a field the encoder added, or a dataset field the ring does not carry
+        held = sample.__dict__
+        if len(held) != _OWN_FIELDS and any(v is not None for k, v in held.items() if k not in wanted):
+            return None  # a field the encoder added
+        for name in absent:
+            if held[name] is not None:
+                return None  # a dataset field the ring does not carry
         for name, dtype, shape in expected:
             value = held[name]
             if type(value) is not numpy.ndarray:
