@@ -19,6 +19,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -283,3 +284,58 @@ def _state(pid: int) -> str:
         return f"{status['Name'].strip()} {status['State'].strip()} ppid {status['PPid'].strip()} wchan {wchan}"
     except (FileNotFoundError, KeyError):
         return "gone"
+
+
+class AddsNoise:
+    """Changes the tokens in place (keyed draws): batches keep the dataset's layout, so they travel in the ring."""
+
+    def encode_sample(self, sample, rng):
+        sample.text = sample.text + rng.integers(0, 100, size=sample.text.shape)
+        return sample
+
+
+class Restructures:
+    """A batch of another structure (numpy arrays, tensors, strings): it travels packed, not in the ring."""
+
+    def encode_sample(self, sample, rng):
+        sample.mask = rng.random(sample.text.shape[0]) < 0.5
+        return sample
+
+    def batch(self, samples):
+        return {
+            "tokens": numpy.stack([s.text for s in samples]).astype(numpy.int32),
+            "parts": [(s.sample_id, s.source, s.mask) for s in samples],
+            "ids": torch.tensor([s.sample_id for s in samples]),
+        }
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor | numpy.ndarray):
+        return value.tolist()
+    return value
+
+
+@pytest.mark.parametrize("encoder", [AddsNoise, Restructures])
+def test_encoded_batches_through_re_targeted_workers_are_the_trainers_own(spec, encoder):
+    """With a task encoder, what the workers serve across quorum changes (through the ring, or packed)
+    is what the trainer process builds for the same steps without workers."""
+    served = []
+    for workers in (0, 2):
+        quorum = ScriptedQuorum(3, 1)
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
+        loader = FaultTolerantLoader(
+            get_train_dataset(spec, batch_size=4, worker_config=wc, task_encoder=encoder()), quorum
+        )
+        taken = []
+        for step in range(30):
+            if step in (10, 20):
+                quorum.participants, quorum.rank = (2, 0) if step == 10 else (3, 2)
+            taken.append(_plain(next(loader)))
+            quorum.commit()
+        loader.close()
+        served.append(taken)
+    assert served[0] == served[1]
