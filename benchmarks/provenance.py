@@ -83,7 +83,7 @@ def git() -> dict[str, Any]:
             done = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=False, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             return ""
-        return done.stdout.strip()
+        return done.stdout.rstrip()  # not strip(): a porcelain line starts with a space
 
     changed = [line[3:] for line in run("status", "--porcelain", "--untracked-files=no").splitlines()]
     return {"commit": run("rev-parse", "HEAD") or "unknown", "dirty": bool(changed), "dirty_files": changed[:20]}

@@ -65,6 +65,24 @@ def test_write_results_stamps_one_run(tmp_path):
     assert "Code: commit" in provenance.machine_line(record)
 
 
+def test_dirty_files_are_named_whole(tmp_path, monkeypatch):
+    """The first changed path keeps its first letter (git's porcelain lines start with a space)."""
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    for name in ("benchmarks.py", "other.py"):
+        (tmp_path / name).write_text("a\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    for name in ("benchmarks.py", "other.py"):
+        (tmp_path / name).write_text("b\n")
+    monkeypatch.setattr(provenance, "ROOT", str(tmp_path))
+    found = provenance.git()
+    assert found["dirty"] and found["dirty_files"] == ["benchmarks.py", "other.py"]
+
+
 def test_alternate_runs_in_turn_and_needs_three_runs():
     order: list[str] = []
     got = provenance.alternate({"a": lambda: order.append("a") or 1.0, "b": lambda: order.append("b") or 2.0})
