@@ -10,6 +10,7 @@ undisturbed run, or give up with an error that says what happened, in bounded ti
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from statefulset import IndexedDatasetWriter, StatefulsetError, WorkerConfig, get_savable_loader, get_train_dataset
-from statefulset.loading.worker_start import MAX_STARTS, forks, start_timeout
+from statefulset.loading.worker_start import MAX_STARTS, forks, frozen_for_fork, start_timeout
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -137,3 +138,65 @@ def test_only_forked_workers_are_watched(monkeypatch):
     monkeypatch.setenv("STATEFULSET_WORKER_START_TIMEOUT", "soon")
     with pytest.raises(StatefulsetError, match="STATEFULSET_WORKER_START_TIMEOUT='soon': must be a positive number"):
         start_timeout()
+
+
+class _FinalizerBlocksInAChild:
+    """Like a torchft ManagerServer the trainer dropped but has not collected yet: its finaliser
+    waits for threads that a fork does not copy, so it never returns in a forked child."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.cycle = self  # only the garbage collector frees it
+
+    def __del__(self) -> None:
+        if os.getpid() != self.owner:
+            time.sleep(600)  # "forever"; the worker start watch kills the child long before
+
+
+_COLLECT_IN_CHILD = {"on": False}
+
+
+def _first_collection() -> None:
+    # The gate: a forked child's first garbage collection, made certain (no later than its first
+    # line of Python), where otherwise it comes after some hundreds of allocations.
+    if _COLLECT_IN_CHILD["on"]:
+        gc.collect()
+
+
+os.register_at_fork(after_in_child=_first_collection)
+
+
+def test_garbage_left_by_the_trainer_is_not_collected_in_a_forked_worker(spec, monkeypatch):
+    """An object the trainer dropped but had not collected when the workers were forked is never
+    finalised in a worker: its finaliser (a server's shutdown, a thread's join) would hang it."""
+    monkeypatch.setenv("STATEFULSET_WORKER_START_TIMEOUT", "2")
+    expected = _take(_loader(spec, workers=0), 4)
+    gc.collect()
+    gc.disable()  # so the parent keeps the garbage until the fork (as a trainer between collections)
+    try:
+        _FinalizerBlocksInAChild()
+        _COLLECT_IN_CHILD["on"] = True
+        got = _take(_loader(spec), 4)
+    finally:
+        _COLLECT_IN_CHILD["on"] = False
+        gc.enable()
+        gc.collect()  # finalised here, in the parent, where it returns at once
+    for (ia, ta), (ib, tb) in zip(got, expected, strict=True):
+        assert torch.equal(ia, ib) and torch.equal(ta, tb)
+
+
+def test_the_fork_leaves_the_trainers_own_freeze_as_it_was():
+    """The objects are thawed after the fork, unless the trainer had frozen objects itself (for
+    memory sharing, as Python's docs advise): then they stay frozen."""
+    gc.unfreeze()  # nothing frozen to begin with
+    with frozen_for_fork():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with frozen_for_fork():
+            pass
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()

@@ -27,7 +27,7 @@ from statefulset.loading.metrics import Meter, Timer
 from statefulset.loading.ring import BatchRing, bundle_size
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog
-from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, stop_workers
+from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, frozen_for_fork, stop_workers
 from statefulset.shards import storage_stats
 
 
@@ -54,6 +54,7 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
     # Worker seeds come from our own generator: creating the iterator never draws from (or
     # reseeds) the trainer's global torch RNG.
     seed = derive_key(stream.spec.seed, dataset.worker_config.seed_offset, dataset.worker_config.rank) >> 1
+    context = options["multiprocessing_context"] if workers else None
     loader = DataLoader(
         source,
         batch_size=None,
@@ -61,7 +62,7 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
         num_workers=workers,
         prefetch_factor=options["prefetch_factor"] if workers else None,
         persistent_workers=options["persistent_workers"] and workers > 0,
-        multiprocessing_context=options["multiprocessing_context"] if workers else None,
+        multiprocessing_context=context,
         generator=torch.Generator().manual_seed(seed),
     )
     return loader, source
@@ -106,12 +107,16 @@ class Delivery:
     def _start(self, cursor: Cursor) -> None:
         self.loader, self.source = _data_loader(self.dataset, cursor, self.options)
         self.meter.ring = self.source.ring
-        self.iterator = iter(self.loader)
         if self.workers:
+            # The trainer's uncollected garbage is never finalised in a worker (statefulset.loading.worker_start).
+            with frozen_for_fork():
+                self.iterator = iter(self.loader)  # forks the workers
             torch_internals.check_iterator(self.iterator)
             self.start_watch.watch(self.source.ring.started)  # type: ignore[union-attr]
-        elif self.watchdog.timeout is not None:  # no workers: build on a thread, wait under the watchdog
-            self.in_process = InProcessSource(self.iterator)
+        else:
+            self.iterator = iter(self.loader)
+            if self.watchdog.timeout is not None:  # no workers: build on a thread, wait under the watchdog
+                self.in_process = InProcessSource(self.iterator)
 
     def _resume(self, loader: DataLoader, source: BatchSource, iterator: Any) -> None:
         """A new pass of persistent workers: torch drains the last pass's batches and restarts them."""

@@ -15,13 +15,24 @@ same batches (they are a function of the batch number). After ``MAX_STARTS`` tri
 raises a ``StatefulsetError`` naming the workers and what to do. Workers made by ``spawn`` or
 ``forkserver`` start from a fresh interpreter and cannot hit this; they are not watched (they
 may take many seconds to import torch).
+
+A hazard of a fork, shared by every loader that forks workers (the savable loader's
+:mod:`statefulset.loading.delivery` and torchft's :mod:`statefulset.integrations.torchft.pool`):
+
+- an object the trainer dropped but has not collected yet (a torchft ``ManagerServer``, anything
+  whose finaliser joins a thread or talks to a server) would be collected, and finalised, in a
+  worker, where the threads it waits for do not exist: the worker hangs. The fork happens under
+  :func:`frozen_for_fork`, and what is frozen then is never collected in the children.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import multiprocessing
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from statefulset import settings
@@ -97,3 +108,20 @@ class StartWatch:
 def stop_workers(iterator: Any, stuck: list[tuple[int, int | None]]) -> None:
     """Stop a DataLoader iterator's workers, the ``stuck`` ones (running no Python) by SIGKILL."""
     torch_internals.stop_workers(iterator, [w for w, _ in stuck])
+
+
+@contextlib.contextmanager
+def frozen_for_fork() -> Iterator[None]:
+    """Fork workers inside this block: every object the trainer tracks now is frozen (``gc.freeze``),
+    so no forked child ever collects one, and thawed in the trainer afterwards.
+
+    A trainer that froze objects itself (``gc.freeze`` before forking, as Python's docs advise
+    for memory sharing) keeps them frozen: then nothing is thawed.
+    """
+    thaw = gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if thaw:
+            gc.unfreeze()

@@ -22,7 +22,6 @@ not a bundle's.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from statefulset.loading.encoded import pin
 from statefulset.loading.ring import BatchRing, bundle_size
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import STALL_SECONDS, TimedOut, Watchdog
-from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, stop_workers
+from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, frozen_for_fork, stop_workers
 from statefulset.shards import storage_stats
 
 _log = logging.getLogger("statefulset")
@@ -219,12 +218,8 @@ class PlanWorkers:
         # Garbage of the trainer (a dropped torchft ManagerServer, say) must not be collected in a
         # forked worker: its finalizer waits for threads that a fork does not copy (seen here: a
         # worker's first collection hung in tokio's runtime shutdown, the workers never started).
-        # What is frozen at the fork is never collected in the children.
-        gc.freeze()
-        try:
+        with frozen_for_fork():
             self.iterator = iter(loader)  # forks the workers
-        finally:
-            gc.unfreeze()
         torch_internals.check_iterator(self.iterator)
         self.start_watch.watch(self.ring.started)
 
