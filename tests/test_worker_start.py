@@ -11,10 +11,13 @@ undisturbed run, or give up with an error that says what happened, in bounded ti
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import numpy
@@ -200,3 +203,73 @@ def test_the_fork_leaves_the_trainers_own_freeze_as_it_was():
         assert gc.get_freeze_count() >= frozen
     finally:
         gc.unfreeze()
+
+
+TRAINER = """
+import json, os, sys, time
+from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
+
+wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+loader = get_savable_loader(get_train_dataset(json.loads(sys.argv[1]), batch_size=4, worker_config=wc))
+trainer = os.getpid()
+
+def hold():  # the gate: each worker says it was forked, then waits until its trainer is gone
+    open(os.path.join(sys.argv[2], str(os.getpid())), "w").close()
+    deadline = time.monotonic() + 60
+    while os.getppid() == trainer and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+os.register_at_fork(after_in_child=hold)
+iter(loader)  # forks the workers
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie left for init to reap is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _state(pid: int) -> str:
+    """A process's state, parent and kernel wait channel, for a failure message."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+        return f"{status['State'].strip()} ppid {status['PPid'].strip()} wchan {wchan}"
+    except (FileNotFoundError, KeyError):
+        return "gone"
+
+
+def test_a_worker_whose_trainer_died_while_it_started_exits(spec, tmp_path):
+    """torch's worker takes the parent it sees after its start for the trainer to watch: a trainer
+    SIGKILLed while its workers were starting must not leave them running, adopted by init."""
+    born = tmp_path / "born"
+    born.mkdir()
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(spec), str(born)])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2:
+            assert trainer.poll() is None, f"the trainer exited with {trainer.returncode}"
+            assert time.monotonic() < deadline, "waited 120 s for the trainer to fork its two workers"
+            time.sleep(0.02)
+            pids = [int(p.name) for p in born.iterdir()]
+    finally:
+        trainer.kill()  # while both workers are held in their start
+        trainer.wait(timeout=30)
+    try:
+        deadline = time.monotonic() + 30
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {p: _state(p) for p in pids if _running(p)}
+        assert not left, f"workers still running 30 s after their trainer was SIGKILLed: {left}"
+    finally:
+        for p in pids:
+            if _running(p):
+                os.kill(p, signal.SIGKILL)

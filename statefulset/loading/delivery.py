@@ -11,6 +11,7 @@ without a fork.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
@@ -27,7 +28,7 @@ from statefulset.loading.metrics import Meter, Timer
 from statefulset.loading.ring import BatchRing, bundle_size
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog
-from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, frozen_for_fork, stop_workers
+from statefulset.loading.worker_start import POLL_SECONDS, ParentCheck, StartWatch, forks, frozen_for_fork, stop_workers
 from statefulset.shards import storage_stats
 
 
@@ -55,6 +56,8 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
     # reseeds) the trainer's global torch RNG.
     seed = derive_key(stream.spec.seed, dataset.worker_config.seed_offset, dataset.worker_config.rank) >> 1
     context = options["multiprocessing_context"] if workers else None
+    # A worker whose trainer died while it started exits (statefulset.loading.worker_start).
+    check = ParentCheck(os.getpid() if forks(context) else None) if workers else None
     loader = DataLoader(
         source,
         batch_size=None,
@@ -64,6 +67,7 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
         persistent_workers=options["persistent_workers"] and workers > 0,
         multiprocessing_context=context,
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=check,
     )
     return loader, source
 

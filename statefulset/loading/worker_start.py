@@ -16,13 +16,17 @@ raises a ``StatefulsetError`` naming the workers and what to do. Workers made by
 ``forkserver`` start from a fresh interpreter and cannot hit this; they are not watched (they
 may take many seconds to import torch).
 
-A hazard of a fork, shared by every loader that forks workers (the savable loader's
+Two more hazards of a fork, shared by every loader that forks workers (the savable loader's
 :mod:`statefulset.loading.delivery` and torchft's :mod:`statefulset.integrations.torchft.pool`):
 
 - an object the trainer dropped but has not collected yet (a torchft ``ManagerServer``, anything
   whose finaliser joins a thread or talks to a server) would be collected, and finalised, in a
   worker, where the threads it waits for do not exist: the worker hangs. The fork happens under
-  :func:`frozen_for_fork`, and what is frozen then is never collected in the children.
+  :func:`frozen_for_fork`, and what is frozen then is never collected in the children;
+- torch's worker reads the pid of the parent it watches only after its start, so a trainer killed
+  while a worker was starting left the worker adopted by init and watching init, alive for good.
+  :class:`ParentCheck`, the worker's first act, exits at once when its parent is no longer the
+  trainer that forked it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import contextlib
 import gc
 import logging
 import multiprocessing
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -125,3 +130,25 @@ def frozen_for_fork() -> Iterator[None]:
     finally:
         if thaw:
             gc.unfreeze()
+
+
+def exit_if_orphaned(parent: int | None) -> None:
+    """In a worker, before torch's watch on its parent begins: exit at once when the process that
+    forked it (``parent``; None: not forked, nothing to check) has died meanwhile."""
+    if parent is not None and os.getppid() != parent:
+        # torch's watch would take the parent it sees now (init, or a subreaper) for the trainer
+        # and never notice: the worker would wait for requests forever.
+        os._exit(0)
+
+
+class ParentCheck:
+    """A DataLoader ``worker_init_fn`` that is :func:`exit_if_orphaned` (picklable, for any start method).
+
+    ``parent``: the trainer's pid when the workers are forked (:func:`forks`), else None.
+    """
+
+    def __init__(self, parent: int | None) -> None:
+        self.parent = parent
+
+    def __call__(self, worker_id: int) -> None:
+        exit_if_orphaned(self.parent)

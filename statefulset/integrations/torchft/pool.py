@@ -39,7 +39,7 @@ from statefulset.loading.encoded import pin
 from statefulset.loading.ring import BatchRing, bundle_size
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import STALL_SECONDS, TimedOut, Watchdog
-from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, frozen_for_fork, stop_workers
+from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, exit_if_orphaned, frozen_for_fork, stop_workers
 from statefulset.shards import storage_stats
 
 _log = logging.getLogger("statefulset")
@@ -142,11 +142,7 @@ def _started(worker_id: int) -> None:
     """A worker's first act (worker_init_fn): its start flag, its storage counters."""
     info = get_worker_info()
     builds: Builds = info.dataset  # type: ignore[union-attr,assignment]
-    if builds.trainer is not None and os.getppid() != builds.trainer:
-        # The trainer died while this worker started. torch's watch on the parent begins after this
-        # function, taking the parent it sees then (init, here) for the trainer: it would never
-        # notice, and the worker would wait for requests forever (seen in the SIGKILL test).
-        os._exit(0)
+    exit_if_orphaned(builds.trainer)  # the trainer died while this worker started (seen in the SIGKILL test)
     source = builds.source
     ring: BatchRing = source.ring  # type: ignore[assignment]
     ring.started[worker_id] = 1
