@@ -198,8 +198,8 @@ def test_environment_is_read_in_one_place():
         if module != "statefulset.settings" and re.search(r"os\.environ\.get|os\.getenv|environ\[", text):
             readers.append(module)
     assert not undeclared, f"not declared in statefulset/settings.py: {sorted(undeclared)}"
-    # obstore_client mirrors botocore's own AWS_ENDPOINT_URL[_S3]; preprocess sets TOKENIZERS_PARALLELISM.
-    assert set(readers) <= {"statefulset.shards.obstore_client", "statefulset.tools.preprocess"}, readers
+    # obstore_client mirrors botocore's own AWS_ENDPOINT_URL[_S3]; chunk_encoding sets TOKENIZERS_PARALLELISM.
+    assert set(readers) <= {"statefulset.shards.obstore_client", "statefulset.tools.chunk_encoding"}, readers
 
 
 def test_settings_page_is_generated():

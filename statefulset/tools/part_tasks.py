@@ -31,7 +31,7 @@ from typing import Any
 
 from statefulset.errors import StatefulsetError
 from statefulset.shards.writer import IndexedDatasetWriter
-from statefulset.tools import fault_gate, locations, segments
+from statefulset.tools import chunk_encoding, fault_gate, input_chunks, locations, segments
 from statefulset.tools import preprocess as local
 from statefulset.tools.locations import Folder, StagedOutput
 from statefulset.tools.part_merge import DONE, OrderedMerge, committed_numbers, part_name
@@ -53,7 +53,7 @@ MANIFEST_VERSION = 1
 @dataclass(frozen=True)
 class Task:
     number: int
-    chunks: tuple[Any, ...]  # preprocess._Chunk, in input order
+    chunks: tuple[Any, ...]  # input_chunks.Chunk, in input order
 
     def describe(self) -> str:
         first, last = self.chunks[0], self.chunks[-1]
@@ -64,12 +64,14 @@ def _file_units(path: str, keys: tuple[str, ...], task_bytes: int) -> list[Any]:
     """A file's units as the planner sees them: row groups (from the footer), a gzip file whole, or raw
     byte ranges of ``task_bytes`` whose tasks find the line ends: no per-MiB probing of remote files."""
     try:
-        if local.is_parquet(path):
-            return list(local._parquet_chunks(path, keys))
+        if input_chunks.is_parquet(path):
+            return list(input_chunks.parquet_chunks(path, keys))
         size = locations.size(path)
-        if local._is_gzip(path):
-            return [local._Chunk(path, size, gzip=True)]
-        return [local._Chunk(path, min(task_bytes, size - s), offset=s, span=True) for s in range(0, size, task_bytes)]
+        if input_chunks.is_gzip(path):
+            return [input_chunks.Chunk(path, size, gzip=True)]
+        return [
+            input_chunks.Chunk(path, min(task_bytes, size - s), offset=s, span=True) for s in range(0, size, task_bytes)
+        ]
     except OSError as exc:
         raise StatefulsetError(f"{path}: cannot read: {exc}") from exc
 
@@ -130,14 +132,14 @@ def _lines_unit(path: str, data: bytes) -> Any:
     lines = data.split(b"\n")
     if not lines[-1]:
         lines.pop()  # the newline ending the last line
-    return local._Chunk(path, len(data), lines=lines)
+    return input_chunks.Chunk(path, len(data), lines=lines)
 
 
 def _units(task: Task, chunk_bytes: int) -> Iterator[Any]:
     """The task's units; a gzip file streamed in pieces of about ``chunk_bytes``, so memory stays bounded."""
     for chunk in task.chunks:
         if chunk.gzip:
-            yield from local._gzip_chunks(chunk.path, chunk_bytes)
+            yield from input_chunks.gzip_chunks(chunk.path, chunk_bytes)
         elif chunk.span:
             yield from span_chunks(chunk.path, chunk.offset, chunk.nbytes, chunk_bytes)
         else:
@@ -146,7 +148,7 @@ def _units(task: Task, chunk_bytes: int) -> Iterator[Any]:
 
 def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) -> dict[str, Any]:
     """Tokenise one task into its committed part; returns (and leaves) its summary."""
-    local.ensure_worker(init_args)  # set up again when this run's settings differ from an earlier run's (C2)
+    chunk_encoding.ensure_worker(init_args)  # set up again when this run's settings differ from an earlier run's (C2)
     fault_gate.hold(task.number)  # tests only: a kill lands while later tasks are held
     keys, dtype = init_args[1], init_args[3]
     parts = Folder(parts_path)
@@ -156,7 +158,7 @@ def run_task(task: Task, parts_path: str, init_args: tuple, chunk_bytes: int) ->
     summary: dict[str, Any] = {"documents": 0, "tokens": dict.fromkeys(keys, 0), "units": [], "bytes": 0}
     try:
         for chunk in _units(task, chunk_bytes):
-            encoded = local._encode(chunk)
+            encoded = chunk_encoding.encode(chunk)
             for key, arrays in encoded.keys.items():
                 masks.add(key, arrays, writers[key])  # first: a new mask part copies the token part's shape
                 writers[key].add_documents(

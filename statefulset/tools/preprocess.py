@@ -15,10 +15,6 @@ the key's shard (:mod:`statefulset.tools.segments`).
 
 from __future__ import annotations
 
-import gzip
-import json
-import os
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -28,36 +24,12 @@ from statefulset.errors import StatefulsetError
 from statefulset.shards import idx_format
 from statefulset.shards.tokenizers import TokenizerSpec
 from statefulset.shards.writer import IndexedDatasetWriter
-from statefulset.tools import fault_gate, locations, segments
-from statefulset.tools.chat import ChatRenderer, ChatSpec
-from statefulset.tools.key_arrays import KeyArrays, KeyTexts
+from statefulset.tools import fault_gate, input_chunks, locations, segments
+from statefulset.tools.chat import ChatSpec
+from statefulset.tools.chunk_encoding import Encoded, encode, init_worker
+from statefulset.tools.input_chunks import Chunk
 from statefulset.tools.progress import Progress
 from statefulset.tools.worker_pool import WorkerDied, ordered_map
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """A run of whole lines: given as ``lines`` (decompressed input), or as a byte range of a
-    plain file that the worker reads itself, so the main process never touches the data; or
-    row group ``offset`` of a Parquet file (``parquet``)."""
-
-    path: str
-    nbytes: int
-    offset: int = 0
-    lines: list[bytes] | None = None
-    parquet: bool = False
-    gzip: bool = False  # a whole gzip file (a unit of --executor ray): its task streams it in chunk_bytes pieces
-    span: bool = False  # a raw byte range (a unit of --executor ray): its task finds the line ends (span_chunks)
-
-
-@dataclass
-class _Encoded:
-    documents: int
-    keys: dict[str, KeyArrays]
-    bad: list[tuple[int, str]]  # (line within the chunk, 0-based; reason)
-    lines: int
-    blank: int
-    nbytes: int
 
 
 @dataclass
@@ -113,220 +85,15 @@ class PreprocessResult:
         return "\n".join(lines)
 
 
-def expand_inputs(inputs: Sequence[str]) -> list[str]:
-    """Files and glob patterns (local paths or fsspec URLs), each pattern's matches in natural order."""
-    return locations.expand(list(inputs))
-
-
-def _is_gzip(path: str) -> bool:
-    if path.endswith(".gz"):
-        return True
-    with locations.open_read(path) as f:
-        return f.read(2) == b"\x1f\x8b"
-
-
-def is_parquet(path: str) -> bool:
-    """A Parquet file: by its name, or by its magic bytes (``PAR1``)."""
-    if path.endswith(".parquet"):
-        return True
-    with locations.open_read(path) as f:
-        return f.read(4) == b"PAR1"
-
-
-def _parquet_module():
-    try:
-        import pyarrow.parquet as parquet
-    except ImportError:
-        raise StatefulsetError(
-            "reading Parquet needs pyarrow: pip install 'statefulset[parquet]' (or pyarrow)"
-        ) from None
-    return parquet
-
-
-def _parquet_chunks(path: str, keys: tuple[str, ...]) -> Iterator[_Chunk]:
-    """One chunk per row group (Parquet's unit of reading); the columns checked once, here."""
-    parquet = _parquet_module()
-    with locations.open_read(path) as f:
-        try:
-            opened = parquet.ParquetFile(f)
-            meta, schema = opened.metadata, opened.schema_arrow
-        except Exception as exc:  # pyarrow's own errors for a damaged footer
-            raise StatefulsetError(f"{path}: not a readable Parquet file: {exc}") from exc
-    columns = set(schema.names)  # top-level columns (a list column's leaf is "element")
-    missing = [k for k in keys if k not in columns]
-    if missing:
-        raise StatefulsetError(
-            f"{path}: no column {', '.join(map(repr, missing))} (its columns: {', '.join(sorted(columns))}); "
-            "--json-keys names the columns to tokenise"
-        )
-    for group in range(meta.num_row_groups):
-        rg = meta.row_group(group)
-        size = sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
-        yield _Chunk(path, size, offset=group, parquet=True)
-
-
-def _chunks(
-    paths: list[str], chunk_bytes: int, keys: tuple[str, ...] = ("text",), whole_gzip: bool = False
-) -> Iterator[_Chunk]:
-    for path in paths:
-        try:
-            if is_parquet(path):
-                yield from _parquet_chunks(path, keys)
-            elif _is_gzip(path) and whole_gzip:
-                yield _Chunk(path, locations.size(path), gzip=True)
-            elif _is_gzip(path):
-                yield from _gzip_chunks(path, chunk_bytes)
-            else:
-                yield from _plain_chunks(path, chunk_bytes)
-        except OSError as exc:
-            raise StatefulsetError(f"{path}: cannot read: {exc}") from exc
-
-
-def _plain_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
-    """Byte ranges ending at line ends: one seek and one short readline per chunk."""
-    size = locations.size(path)
-    with locations.open_read(path) as f:
-        start = 0
-        while start < size:
-            f.seek(min(start + chunk_bytes, size))
-            f.readline()
-            end = min(f.tell(), size)
-            yield _Chunk(path, end - start, offset=start)
-            start = end
-
-
-def _gzip_chunks(path: str, chunk_bytes: int) -> Iterator[_Chunk]:
-    """Runs of decompressed lines of about ``chunk_bytes``: one gzip stream is read in order, never whole."""
-    with locations.open_read(path) as raw, gzip.GzipFile(fileobj=raw) as stream:
-        position = 0
-        while True:
-            try:
-                lines = stream.readlines(chunk_bytes)
-            except (OSError, EOFError, zlib.error) as exc:
-                raise StatefulsetError(f"{path}: cannot decompress: {exc}") from exc
-            if not lines:
-                return
-            now = raw.tell()
-            yield _Chunk(path, now - position, lines=lines)
-            position = now
-
-
-# -- worker side ----------------------------------------------------------------------------
-_WORKER: dict = {}
-
-
-def _init_worker(
-    spec: TokenizerSpec,
-    keys: tuple[str, ...],
-    append_eod: bool,
-    dtype: numpy.dtype,
-    quiet_threads: bool,
-    chat: ChatSpec | None = None,
-) -> None:
-    if quiet_threads:
-        # N worker processes already use the cores; the Rust tokenizer must not add threads.
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    renderer = None if chat is None else ChatRenderer(chat)
-    _WORKER.update(tokenizer=spec.build(), keys=keys, append_eod=append_eod, dtype=dtype, chat=renderer)
-
-
-def setup_key(
-    spec: TokenizerSpec,
-    keys: tuple[str, ...],
-    append_eod: bool,
-    dtype: numpy.dtype,
-    quiet_threads: bool,
-    chat: ChatSpec | None = None,
-) -> str:
-    """Everything a worker's setup depends on, the tokenizer file's and the chat template's bytes included."""
-    template = None if chat is None else chat.fingerprint()
-    return repr((spec.fingerprint(), keys, append_eod, numpy.dtype(dtype).str, quiet_threads, template))
-
-
-def ensure_worker(init_args: tuple) -> None:
-    """Sets this process up for ``init_args`` unless it already is: a Ray worker process serves the
-    tasks of every run of its driver, and a second run's settings must never meet the first's tokenizer."""
-    key = setup_key(*init_args)
-    if _WORKER.get("key") != key:
-        _WORKER.clear()
-        _init_worker(*init_args)
-        _WORKER["key"] = key
-
-
-def _rows(chunk: _Chunk, keys: tuple[str, ...]) -> list[object]:
-    """A row group's ``keys`` columns as one dict per row (what a JSON line parses into)."""
-    parquet = _parquet_module()
-    try:
-        with locations.open_read(chunk.path) as f:
-            table = parquet.ParquetFile(f).read_row_group(chunk.offset, columns=list(keys))
-    except Exception as exc:
-        raise StatefulsetError(f"{chunk.path}: cannot read row group {chunk.offset}: {exc}") from exc
-    return table.to_pylist()
-
-
-def _lines(chunk: _Chunk) -> list[bytes]:
-    if chunk.lines is not None:
-        return chunk.lines
-    with locations.open_read(chunk.path) as f:
-        f.seek(chunk.offset)
-        data = f.read(chunk.nbytes)
-    lines = data.split(b"\n")
-    if lines and not lines[-1]:
-        lines.pop()  # the newline ending the last line
-    return lines
-
-
-def _texts_of(obj: object, keys: tuple[str, ...], chat: ChatRenderer | None = None) -> dict[str, segments.Value] | str:
-    if not isinstance(obj, dict):
-        return f"expected a JSON object, got {type(obj).__name__}"
-    out = {}
-    for key in keys:
-        if key not in obj:
-            return f"missing key {key!r}"
-        value = segments.parse_value(obj[key], key, chat)
-        if isinstance(value, str):
-            return value
-        out[key] = value
-    return out
-
-
-def _encode(chunk: _Chunk) -> _Encoded:
-    tokenizer, keys = _WORKER["tokenizer"], _WORKER["keys"]
-    texts = {k: KeyTexts() for k in keys}
-    bad: list[tuple[int, str]] = []
-    blank = documents = 0
-    lines: list = _rows(chunk, keys) if chunk.parquet else _lines(chunk)
-    for number, raw in enumerate(lines):
-        if chunk.parquet:
-            parsed = _texts_of(raw, keys, _WORKER.get("chat"))
-        elif not raw.strip():
-            blank += 1
-            continue
-        else:
-            try:
-                parsed = _texts_of(json.loads(raw), keys, _WORKER.get("chat"))
-            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-                parsed = f"invalid JSON: {exc}"
-        if isinstance(parsed, str):
-            bad.append((number, parsed))
-            continue
-        for key, value in parsed.items():
-            texts[key].add(value, documents)
-        documents += 1
-    eod = tokenizer.eod if _WORKER["append_eod"] else None
-    arrays = {key: texts[key].encode(tokenizer, documents, eod, _WORKER["dtype"]) for key in keys}
-    return _Encoded(documents, arrays, bad, len(lines), blank, chunk.nbytes)
-
-
-def _encode_unit(chunk: _Chunk) -> _Encoded:
+def _encode_unit(chunk: Chunk) -> Encoded:
     fault_gate.hold()  # tests only: a kill lands while the units are held
-    return _encode(chunk)
+    return encode(chunk)
 
 
-def _results(chunks: Iterator[_Chunk], workers: int, init_args: tuple) -> Iterator[tuple[_Chunk, _Encoded]]:
+def _results(chunks: Iterator[Chunk], workers: int, init_args: tuple) -> Iterator[tuple[Chunk, Encoded]]:
     """(chunk, encoded chunk) in input order, with a bounded number in flight."""
     if workers <= 1:
-        _init_worker(*init_args)
+        init_worker(*init_args)
         for chunk in chunks:
             yield chunk, _encode_unit(chunk)
         return
@@ -334,7 +101,7 @@ def _results(chunks: Iterator[_Chunk], workers: int, init_args: tuple) -> Iterat
     # its workers are killed, multiprocessing.Pool to lose the killed worker's chunk for good.
     try:
         yield from ordered_map(
-            _encode_unit, chunks, workers=workers, initializer=_init_worker, initargs=init_args,
+            _encode_unit, chunks, workers=workers, initializer=init_worker, initargs=init_args,
             describe=_describe_chunk,
         )  # fmt: skip
     except WorkerDied as exc:
@@ -344,7 +111,7 @@ def _results(chunks: Iterator[_Chunk], workers: int, init_args: tuple) -> Iterat
         ) from None
 
 
-def _describe_chunk(chunk: _Chunk) -> str:
+def _describe_chunk(chunk: Chunk) -> str:
     if chunk.parquet:
         return f"{chunk.path} (row group {chunk.offset})"
     return f"{chunk.path} (bytes {chunk.offset}..{chunk.offset + chunk.nbytes})" if chunk.lines is None else chunk.path
@@ -367,7 +134,7 @@ def setup(
     if chunk_bytes < 1:
         raise StatefulsetError(f"--chunk-bytes must be positive, got {chunk_bytes}")
     spec = tokenizer or TokenizerSpec()
-    paths = expand_inputs(inputs)
+    paths = input_chunks.expand_inputs(inputs)
     probe = spec.build()  # fail fast in this process on a bad tokenizer path
     if append_eod and probe.eod is None:
         raise StatefulsetError(f"{spec.name}: no end-of-document token found; pass --eod-token")
@@ -430,7 +197,7 @@ def preprocess(
     init_args = (spec, keys, append_eod, out_dtype, workers > 1, chat)
     line_of: dict[str, int] = {}  # lines seen so far in each input, for file:line messages
     try:
-        for chunk, encoded in _results(_chunks(paths, chunk_bytes, keys), workers, init_args):
+        for chunk, encoded in _results(input_chunks.chunks(paths, chunk_bytes, keys), workers, init_args):
             first_line = line_of.get(chunk.path, 0) + 1
             line_of[chunk.path] = first_line - 1 + encoded.lines
             count_bad_lines(result, chunk.path, chunk.parquet, first_line, encoded.bad, skip_bad_lines)
