@@ -75,6 +75,9 @@ def versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
     return found
 
 
+OUTPUTS = ("benchmarks/results/", "benchmarks/out/", "docs/")
+
+
 def git() -> dict[str, Any]:
     """HEAD and whether the tree differs from it (``dirty_files``: the changed paths, at most 20)."""
 
@@ -86,7 +89,9 @@ def git() -> dict[str, Any]:
         return done.stdout.rstrip()  # not strip(): a porcelain line starts with a space
 
     changed = [line[3:] for line in run("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"commit": run("rev-parse", "HEAD") or "unknown", "dirty": bool(changed), "dirty_files": changed[:20]}
+    # Outputs of earlier runs (results files, generated docs and charts) are not code the run measured.
+    code = [path for path in changed if not path.startswith(OUTPUTS)]
+    return {"commit": run("rev-parse", "HEAD") or "unknown", "dirty": bool(code), "dirty_files": changed[:20]}
 
 
 def provenance(extra: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -138,3 +138,25 @@ def test_quick_arguments_parse():
     assert done.returncode == 0, done.stderr[-3000:]
     failed = json.loads(done.stdout.strip().splitlines()[-1])
     assert not failed, failed
+
+
+def test_earlier_results_do_not_make_a_run_dirty(tmp_path, monkeypatch):
+    """A results file or a generated doc changed by an earlier run is not code the next run measures."""
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    outputs = (tmp_path / "benchmarks" / "results" / "bench_x.json", tmp_path / "docs" / "benchmarks.md")
+    for path in (*outputs, tmp_path / "statefulset.py"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("a\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    for path in outputs:
+        path.write_text("b\n")
+    monkeypatch.setattr(provenance, "ROOT", str(tmp_path))
+    found = provenance.git()
+    assert not found["dirty"] and found["dirty_files"] == ["benchmarks/results/bench_x.json", "docs/benchmarks.md"]
+    (tmp_path / "statefulset.py").write_text("b\n")
+    assert provenance.git()["dirty"]
