@@ -252,9 +252,10 @@ def test_feistel_and_window_order_refuse_what_would_never_end(lib):
     assert lib.sf_feistel(i64(0, 1), 2, 0, 1, keys, 6, 0, out) == BAD_ARGUMENT
     assert lib.sf_feistel(i64(0, 1), 2, 100, 2, keys, 6, 0, out) == BAD_ARGUMENT  # 4 bits cover 16, not 100
     assert out.tolist() == [-1, -1]  # nothing written
-    assert lib.sf_window_permute(i64(0, 5), 2, 0, 1, 7, 6, out) == BAD_ARGUMENT
-    assert lib.sf_window_permute(i64(0, -5), 2, 10, 2, 7, 6, out) == BAD_ARGUMENT
-    assert lib.sf_window_permute(i64(0, 5), 2, 10, 2, 7, 65, out) == BAD_ARGUMENT  # 64 round keys at most
+    ok, negative = i64(0, 5), i64(0, -5)  # sf_window_permute takes raw addresses (statefulset/index/compiled.py)
+    assert lib.sf_window_permute(ok.ctypes.data, 2, 0, 1, 7, 6, out.ctypes.data) == BAD_ARGUMENT
+    assert lib.sf_window_permute(negative.ctypes.data, 2, 10, 2, 7, 6, out.ctypes.data) == BAD_ARGUMENT
+    assert lib.sf_window_permute(ok.ctypes.data, 2, 10, 2, 7, 65, out.ctypes.data) == BAD_ARGUMENT  # <= 64 round keys
     assert out.tolist() == [-1, -1]
     assert lib.sf_feistel(i64(0, 9), 2, 10, 2, keys, 6, 0, out) == 0 and sorted(out.tolist()) != [-1, -1]
 
