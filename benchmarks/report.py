@@ -179,6 +179,7 @@ def torchft() -> str:
     tps, change = record["tokens_per_second"], record["change"]
     stable = "met" if record["stable_ratio"]["median"] >= 0.90 else "not met"
     first = "met" if change["ratio"]["median"] <= 2 else "not met"
+    change_digits = 2 if change["ratio"]["median"] < 10 else 0
     return "\n".join([
         f"Batches of {b[0]} x {b[1]} tokens, {record['workers']} workers, {record['batches_per_run']} batches a run, "
         f"a quorum change every {record['change_every']}; median [min .. max] of {runs} runs.",
@@ -190,7 +191,7 @@ def torchft() -> str:
         f"| ratio, stable quorum | {_spread(record['stable_ratio'], 1, 2)} | >= 0.90 ({stable}) |",
         f"| data time of a normal step (ms) | {_spread(change['normal'], 1000, 2)} | |",
         f"| data time of the first step after a change (ms) | {_spread(change['first_after_change'], 1000, 2)} | |",
-        f"| ratio, first step after a change | {_spread(change['ratio'], 1, 2 if change['ratio']['median'] < 10 else 0)} | <= 2 ({first}) |",
+        f"| ratio, first step after a change | {_spread(change['ratio'], 1, change_digits)} | <= 2 ({first}) |",
     ]) + "\n"  # fmt: skip
 
 
