@@ -7,7 +7,9 @@ workers over a local native-packed corpus with a two-stage schedule (the per-sou
 the blend tree whenever the position moved), alternating the loops; at micro-batches of 8 x 129
 tokens (where a read weighs most) and 8 x 2049 (the size the other loader benchmarks use). Also
 the time of one ``metrics()`` call at a position that moved, and of ``metrics(across_ranks=True)``
-on one rank.
+on one rank. And the same ratio within one loader (``paired_ratio``): blocks of 250 batches that read
+after every batch alternate with blocks that never read (ABBA), so both sides share the workers,
+the caches and whatever else the machine does; the runs' spread of that ratio is much narrower.
 
     python benchmarks/bench_metrics.py [--repeats 5] [--batches 3000] [--seq-lengths 128,2048]
 """
@@ -61,6 +63,29 @@ def batches_per_second(spec: str, every: int, batches: int) -> float:
     return batches / (time.perf_counter() - start)
 
 
+def paired_ratio(spec: str, batches: int, block: int = 250) -> float:
+    """Throughput reading the metrics after every batch over never reading them, in one loader: blocks of
+    ``block`` batches alternate (read, not, not, read, ...), so both see the same workers, caches and
+    machine load; the ratio of the two sums of block times."""
+    from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=WORKERS)
+    loader = get_savable_loader(get_train_dataset(spec, batch_size=BATCH, worker_config=wc))
+    it = iter(loader)
+    for _ in range(50):
+        next(it)
+    seconds = {True: 0.0, False: 0.0}
+    for b in range(max(2, batches // block)):
+        read = b % 4 in (0, 3)  # ABBA: a drift within the run falls on both sides alike
+        start = time.perf_counter()
+        for _ in range(block):
+            next(it)
+            if read:
+                loader.metrics()
+        seconds[read] += time.perf_counter() - start
+    return seconds[False] / seconds[True]
+
+
 def call_us(spec: str, across: bool, calls: int) -> float:
     from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 
@@ -97,10 +122,12 @@ def main() -> None:
     modes = [("never_read", 0), ("read_every_step", 1), ("read_every_10_steps", 10)]
     runs = {seq: {label: [] for label, _ in modes} for seq in lengths}
     calls: dict[str, list[float]] = {"metrics_us": [], "metrics_across_ranks_us": []}
+    paired: dict[int, list[float]] = {seq: [] for seq in lengths}
     for r in range(args.repeats):
         for seq in lengths:
             for label, every in modes if r % 2 == 0 else modes[::-1]:
                 runs[seq][label].append(batches_per_second(specs[seq], every, args.batches))
+            paired[seq].append(paired_ratio(specs[seq], args.batches))
         calls["metrics_us"].append(call_us(specs[lengths[0]], False, 2000))
         calls["metrics_across_ranks_us"].append(call_us(specs[lengths[0]], True, 2000))
     sizes = {}
@@ -112,6 +139,9 @@ def main() -> None:
             "throughput_ratio": {
                 label: summary[label]["median"] / summary["never_read"]["median"] for label, every in modes if every
             },
+            # Read every step over never, within one loader (alternating blocks, ABBA): one ratio a run.
+            "paired_ratio_runs": paired[seq],
+            "paired_ratio": spread(paired[seq]),
         }
     call_summary = {label: spread(values) for label, values in calls.items()}
     result = {
@@ -134,6 +164,8 @@ def main() -> None:
         for label, sp in found["batches_per_second"].items():
             print(f"    {label}: median {sp['median']:.1f} batches/s (min {sp['min']:.1f}, max {sp['max']:.1f})")
         print(f"    throughput against never reading the metrics: {found['throughput_ratio']}")
+        pr = found["paired_ratio"]
+        print(f"    read every step / never, same loader: median {pr['median']:.3f} ({pr['min']:.3f}..{pr['max']:.3f})")
     for label, sp in call_summary.items():
         print(f"  {label}: median {sp['median']:.1f} (min {sp['min']:.1f}, max {sp['max']:.1f})")
 

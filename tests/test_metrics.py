@@ -23,6 +23,7 @@ from s3_servers import moto_server, proxy, upload
 from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.errors import StatefulsetError
 from statefulset.shards import storage_stats
+from statefulset.streams.standing import weights_at
 
 SEQ = 16
 NAMES = ("web", "code", "math")
@@ -116,6 +117,14 @@ def test_every_read_is_a_new_dict_of_the_current_values(shards, tmp_path):
         m = loader.metrics()
         assert list(m) == keys and m == loader.metrics()  # read twice at one place: the same values
         assert m["batches"] == step and m["position"] == 4 * step and m["tokens"] == 4 * step * SEQ
+        # Per-source values come from a walk of the blend tree ahead of the reads: at each step they
+        # are the scalar walk's at that position (and a brute-force count where it is checked).
+        counts = dict(zip(ds.stream.prefixes, ds.stream.source_counts(4 * step), strict=True))
+        stage_weights = dict(zip(ds.stream.prefixes, weights_at(ds.stream, 4 * step)[1], strict=True))
+        for prefix, count in counts.items():
+            assert m[f"source/{prefix}/samples"] == count, (step, prefix)
+            assert m[f"source/{prefix}/epoch"] == count / ds.stream.epoch_sizes[prefix], (step, prefix)
+            assert m[f"source/{prefix}/weight"] == pytest.approx(stage_weights[prefix] / sum(stage_weights.values()))
         if step in (23, 24, 25, 30):
             want = _brute_force(ds.stream, 4 * step)
             for name in NAMES:

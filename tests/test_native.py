@@ -39,6 +39,27 @@ def test_blend_shares_stay_within_bound_at_every_prefix(weights, n):
         assert numpy.abs(counts - expected).max() <= bound
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    weights=st.lists(st.sampled_from([0.0, 0.5, 1.0, 7.25]) | st.floats(0.01, 100), min_size=1, max_size=40),
+    n=st.integers(0, 3000),
+    far=st.integers(0, 2**62),
+)
+def test_blend_counts_equal_the_sources_of_every_position(weights, n, far):
+    """``counts(n)`` (what metrics() reads, a walk of the flattened tree) equals a count of ``locate``
+    over every position below ``n``; at far positions, the counts' step from ``far`` to ``far + 64``
+    equals the sources ``locate`` gives the 64 positions between."""
+    if not any(weights):
+        weights = [*weights, 1.0]
+    schedule = BlendSchedule(weights)
+    source, _ = schedule.locate(numpy.arange(n))
+    assert schedule.counts(n) == numpy.bincount(source, minlength=len(weights)).tolist()
+    assert sum(schedule.counts(far)) == far
+    step = numpy.array(schedule.counts(far + 64)) - numpy.array(schedule.counts(far))
+    source, _ = schedule.locate(numpy.arange(far, far + 64))
+    assert step.tolist() == numpy.bincount(source, minlength=len(weights)).tolist()
+
+
 def test_blend_far_positions_and_zero_weights():
     schedule = BlendSchedule([0.0, 3.0, 1.0])
     source, local = schedule.locate(numpy.array([10**15, 10**15 + 1, 10**15 + 2, 10**15 + 3]))

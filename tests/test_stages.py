@@ -218,3 +218,24 @@ def test_megatron_and_nanotron_take_a_staged_spec(shards):
     loader = build_nanotron_dataloader(spec, ParallelLayout(1), micro_batch_size=4, consumed_train_samples=692)
     micro_batch = next(loader)
     assert (micro_batch["input_ids"].numpy() == stream.gather(numpy.arange(692, 696))[:, :-1]).all()
+
+
+@pytest.mark.parametrize("packing", ["native", "bestfit"])
+def test_source_counts_at_many_positions_equal_one_at_a_time(shards, packing):
+    """``source_counts_many`` (the vectorised walk ``metrics()`` reads ahead with) equals ``source_counts``
+    at every position, across stage changes, far out, and for a plain blend and one validation pass."""
+    streams = [open_stream(staged(shards, ANNEAL, packing))]
+    plain = {"seq_length": SEQ, "split": "90,10,0", "packing": packing, "seed": 5,
+             "data_path": {shards["web"]: 0.6, shards["code"]: 0.3, shards["math"]: 0.1}}  # fmt: skip
+    streams += [open_stream(plain), open_stream(plain, "valid"), open_stream({**plain, "data_path": [shards["web"]]})]
+    rng = numpy.random.default_rng(3)
+    for stream in streams:
+        total = 10**15 if stream.unbounded else len(stream)
+        positions = numpy.concatenate([
+            numpy.arange(0, 1000, 7), [299, 300, 301, 699, 700, 701], rng.integers(0, total, 50),
+        ]).astype(numpy.int64)  # fmt: skip
+        positions = positions[positions <= total]
+        counts, stages = stream.source_counts_many(positions)
+        for p, row, stage in zip(positions.tolist(), counts.tolist(), stages.tolist(), strict=True):
+            assert row == stream.source_counts(p), (stream, p)
+            assert stage == (stream.stage_of(p) if hasattr(stream, "stage_of") else 0)

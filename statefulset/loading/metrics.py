@@ -38,6 +38,8 @@ _CUMULATIVE = [
     storage_stats.REQUESTS, storage_stats.BYTES, storage_stats.RETRIES, storage_stats.FAILURES,
     storage_stats.AHEAD_TAKEN, storage_stats.AHEAD_READY, *range(storage_stats.FIRST_BUCKET, storage_stats.WIDTH),
 ]  # fmt: skip
+_AHEAD = 1024  # positions one walk of the blend tree covers ahead of the reads
+_AHEAD_VALUES = 8192  # at most positions x sources kept (fewer positions ahead with many sources)
 
 
 class Meter:
@@ -60,8 +62,10 @@ class Meter:
         self._values: dict[str, float] = {}  # every metric, in the order a read returns them
         self._parts: tuple[bool, bool] | None = None  # (workers' queue, position): the keys _values has
         self._place: int | None = None  # the position the per-source values in _values are for
-        self._keys: list[tuple[str, str, str, int]] | None = None  # each source's keys and epoch size, made once
-        self._weights: dict[int, list[float]] = {}  # normalised weights by stage
+        # The per-source keys (samples then epochs; weights) and each source's epoch, made once.
+        self._keys: tuple[list[str], list[str], numpy.ndarray] | None = None
+        self._ahead: dict[int, tuple[int, list[float]]] = {}  # position -> its stage and per-source values
+        self._stage: int | None = None  # the stage the weights in _values are for
         self._storage_key = b""  # the storage rows' bytes the storage values in _values are for
         # The trainer's own row counts for the whole process (other loaders, earlier ones): this
         # loader reports what was counted since it was made (in-flight and oldest are instantaneous).
@@ -92,6 +96,7 @@ class Meter:
             if position is not None:
                 values["position"] = 0.0
             self._parts, self._place, self._storage_key = (delivery is not None, position is not None), None, b""
+            self._stage = None
         batches = self.batches
         values["data_wait_seconds"] = self.wait
         values["batches"] = float(batches)
@@ -108,25 +113,48 @@ class Meter:
         return dict(values)
 
     def _sources(self, stream: Any, position: int, values: dict[str, float]) -> None:
-        """``source/{prefix}/samples|weight|epoch`` at ``position`` into ``values`` (one blend-tree walk)."""
+        """``source/{prefix}/samples|weight|epoch`` at ``position`` into ``values``: looked up among the
+        positions the last blend-tree walk covered ahead (:meth:`_look_ahead`); the weights only when
+        the stage changed."""
         if self._keys is None:
             if not hasattr(stream, "source_counts"):  # megatron packing: no blend tree to ask
                 return
             prefixes = list(stream.source_positions(position))  # once: the keys, in the stream's order
-            self._keys = [
-                (f"source/{p}/samples", f"source/{p}/weight", f"source/{p}/epoch", int(source.windows))
-                for p, source in zip(prefixes, stream.sources, strict=True)
-            ]
-        counts = stream.source_counts(position)
-        stage = stream.stage_of(position) if hasattr(stream, "stage_of") else 0
-        weights = self._weights.get(stage)
-        if weights is None:
+            self._keys = (
+                [f"source/{p}/samples" for p in prefixes] + [f"source/{p}/epoch" for p in prefixes],
+                [f"source/{p}/weight" for p in prefixes],
+                # An epoch's samples; a source without any reports epoch 0 (count / inf).
+                numpy.array([float(source.windows) or numpy.inf for source in stream.sources]),
+            )
+            self._stage = None
+        counted, weight_keys, _ = self._keys
+        if self._stage is None:  # the dict was made again: the keys in their order, source by source
+            half = len(weight_keys)
+            ordered = zip(counted[:half], weight_keys, counted[half:], strict=True)
+            values.update(dict.fromkeys(key for keys in ordered for key in keys))
+        found = self._ahead.get(position)
+        if found is None:
+            found = self._look_ahead(stream, position)
+        stage, numbers = found
+        values.update(zip(counted, numbers, strict=True))
+        if stage != self._stage:
             _, raw = weights_at(stream, position)
             total = sum(raw) or 1.0
-            weights = self._weights[stage] = [w / total for w in raw]
-        for (samples, weight, epoch, per_epoch), count, w in zip(self._keys, counts, weights, strict=True):
-            values[samples], values[weight], values[epoch] = float(count), w, count / per_epoch if per_epoch else 0.0
+            values.update(zip(weight_keys, [w / total for w in raw], strict=True))
+            self._stage = stage
         self._place = position
+
+    def _look_ahead(self, stream: Any, position: int) -> tuple[int, list[float]]:
+        """The stage and the per-source samples and epochs at ``position``; when the reads move by a
+        steady step (a rank reads every batch, or every n-th), also at the next positions that step
+        apart, in one vectorised walk of the blend tree, kept for the reads to come."""
+        step = position - self._place if self._place is not None and position > self._place else 0
+        ahead = max(1, min(_AHEAD, _AHEAD_VALUES // len(self._keys[1]))) if step else 1
+        positions = position + step * numpy.arange(ahead, dtype=numpy.int64)
+        counts, stages = stream.source_counts_many(positions)
+        numbers = numpy.concatenate([counts.astype(numpy.float64), counts / self._keys[2]], axis=1)
+        self._ahead = dict(zip(positions.tolist(), zip(stages.tolist(), numbers.tolist(), strict=True), strict=True))
+        return self._ahead[position]
 
     def _storage(self, values: dict[str, float]) -> None:
         """The storage counters of the trainer and the current pass's workers, summed into ``values``

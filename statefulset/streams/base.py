@@ -292,6 +292,18 @@ class BlendedStream(SampleStream):
             raise ValueError(f"source_positions: position must be non-negative, got {p}")
         return [p] if self.schedule is None else [int(c) for c in self.schedule.counts(p)]
 
+    def source_counts_many(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """:meth:`source_counts` at each of ``positions`` (non-negative int64) at once, and their stage
+        (always 0): ``(counts (len(positions), sources), stages)``."""
+        p = numpy.asarray(positions, dtype=numpy.int64)
+        if self.schedule is None:
+            counts = p[:, None].copy()
+        elif isinstance(self.schedule, BlendSchedule):
+            counts = self.schedule.counts_many(p)
+        else:  # one pass: counts capped at the pass, on Python ints
+            counts = numpy.array([self.schedule.counts(q) for q in p.tolist()], dtype=numpy.int64)
+        return counts, numpy.zeros(p.size, dtype=numpy.int64)
+
     @property
     def epoch_sizes(self) -> dict[str, int]:
         """Samples in one epoch of each source, by prefix."""

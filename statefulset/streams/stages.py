@@ -153,6 +153,22 @@ class StagedStream(SampleStream):
             out[s] += c
         return out
 
+    def source_counts_many(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """:meth:`source_counts` at each of ``positions`` (non-negative int64) at once, and the stage
+        of each: ``(counts (len(positions), sources), stages)`` (one vectorised walk per stage)."""
+        p = numpy.asarray(positions, dtype=numpy.int64)
+        stages = numpy.searchsorted(self.starts, p, side="right") - 1
+        out = numpy.empty((p.size, len(self.sources)), dtype=numpy.int64)
+        for k in numpy.unique(stages).tolist():
+            rows = numpy.flatnonzero(stages == k)
+            n = p[rows] - self._start_list[k]
+            schedule = self.schedules[k]
+            drawn = n[:, None] if schedule is None else schedule.counts_many(n)
+            block = numpy.repeat(self.offsets[k][None, :], rows.size, axis=0)
+            numpy.add.at(block, (slice(None), self.stage_sources[k]), drawn)  # a source listed twice adds twice
+            out[rows] = block
+        return out, stages
+
     def _fill(
         self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None
     ) -> Pieces | None:

@@ -55,6 +55,28 @@ def _build_tree(weights: list[float], first: int) -> _Node:
     )
 
 
+def _flatten(tree: _Node, live: list[int]) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
+    """The tree as ``(node, share, left, right)`` for each inner node in pre-order (a parent before its
+    children) and ``(node, source)`` for each leaf, nodes numbered in pre-order from the root (0)."""
+    inner: list[tuple[int, int, int, int]] = []
+    leaves: list[tuple[int, int]] = []
+
+    def visit(node: _Node) -> int:
+        number = len(inner) + len(leaves)
+        if node.left is None:
+            leaves.append((number, live[node.source]))
+            return number
+        slot = len(inner)
+        inner.append((number, node.share, -1, -1))
+        left = visit(node.left)
+        right = visit(node.right)  # type: ignore[arg-type]
+        inner[slot] = (number, node.share, left, right)
+        return number
+
+    visit(tree)
+    return inner, leaves
+
+
 class BlendSchedule:
     """Which source serves global position ``p``, and at which local position, in O(log K)."""
 
@@ -66,24 +88,38 @@ class BlendSchedule:
         # Zero-weight sources never serve; keep their numbering for the caller.
         self._live = [i for i, w in enumerate(weights) if w > 0]
         self._tree = _build_tree(live, 0)
+        self._inner, self._leaves = _flatten(self._tree, self._live)
 
     def counts(self, n: int) -> list[int]:
         """How many of the positions ``[0, n)`` each source serves (zero-weight sources included), in O(K).
 
         At a node, the first ``n`` positions send ``floor(n·a)`` left (the sum of the per-position
-        rule telescopes) and the rest right; the leaves get what reaches them.
+        rule telescopes) and the rest right; the leaves get what reaches them. The tree is walked
+        as a flat list of inner nodes in pre-order (``metrics()`` asks after every batch): on
+        Python ints, ``n·share >> 32`` is that floor exactly, at any ``n``.
         """
+        reach = [0] * (len(self._inner) + len(self._leaves))
+        reach[0] = int(n)
+        for node, share, left, right in self._inner:
+            m = reach[node]
+            reach[left] = a = m * share >> _SCALE_BITS
+            reach[right] = m - a
         out = [0] * len(self.weights)
-        self._count(self._tree, int(n), out)
+        for node, source in self._leaves:
+            out[source] = reach[node]
         return out
 
-    def _count(self, node: _Node, n: int, out: list[int]) -> None:
-        if node.left is None:
-            out[self._live[node.source]] += n
-            return
-        left = (n >> _SCALE_BITS) * node.share + (((n & (_SCALE - 1)) * node.share) >> _SCALE_BITS)
-        self._count(node.left, left, out)
-        self._count(node.right, n - left, out)  # type: ignore[arg-type]
+    def counts_many(self, n: numpy.ndarray) -> numpy.ndarray:
+        """:meth:`counts` of each of the non-negative int64 ``n`` at once: an ``(len(n), K)`` int64 array."""
+        reach = numpy.empty((len(self._inner) + len(self._leaves), len(n)), dtype=numpy.int64)
+        reach[0] = n
+        for node, share, left, right in self._inner:
+            reach[left] = _floor_scaled(reach[node], share)
+            numpy.subtract(reach[node], reach[left], out=reach[right])
+        out = numpy.zeros((len(n), len(self.weights)), dtype=numpy.int64)
+        for node, source in self._leaves:
+            out[:, source] = reach[node]
+        return out
 
     def locate(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
         p = numpy.asarray(positions, dtype=numpy.int64)
