@@ -10,6 +10,9 @@ nonzero byte is a label with loss.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -107,6 +110,40 @@ def test_the_compiled_pass_equals_numpy_and_the_tokens_own_masks(shards, seed, d
         gather_ranges(dataset, starts, lengths, out, labels, used, pad_id, native=native)
         numpy.testing.assert_array_equal(out, want[0], err_msg=f"tokens, native={native}")
         numpy.testing.assert_array_equal(labels, want[1], err_msg=f"labels, native={native}")
+
+
+def test_threads_gathering_at_once_each_get_their_own_rows(shards):
+    """The kernel's arguments are written into a block of each thread's own (compiled.scratch) and the
+    kernel runs without the GIL: threads gathering at once, with plans of different sizes (so the
+    blocks grow), must each get exactly their own ranges' tokens and masks."""
+    assert compiled.available(), compiled.reason()
+    dataset = shards[(numpy.uint16, True)]
+    barrier = threading.Barrier(4)
+
+    def work(seed: int) -> list[str]:
+        rng, wrong = numpy.random.default_rng(seed), []
+        barrier.wait(timeout=60)
+        for step in range(150):
+            rows, width = int(rng.integers(1, 9)), int(rng.integers(2, 300))
+            starts, lengths, used = plan(rng, dataset.num_tokens, rows, width, bool(step % 2))
+            want = reference(dataset, starts, lengths, rows, width, used, 0, numpy.int64)
+            out, labels = numpy.empty((rows, width), numpy.int64), numpy.empty((rows, width - 1), numpy.float32)
+            gather_ranges(dataset, numpy.array(starts), numpy.array(lengths), out, labels, used, native=True)
+            if not (numpy.array_equal(out, want[0]) and numpy.array_equal(labels, want[1])):
+                wrong.append(f"thread {seed}, step {step}")
+        return wrong
+
+    with ThreadPoolExecutor(4) as pool:
+        found = [w for f in [pool.submit(work, seed) for seed in range(4)] for w in f.result(timeout=600)]
+    assert not found, found
+
+
+def test_ranges_and_lengths_that_do_not_pair_are_refused_naming_the_bin(shards):
+    dataset = shards[(numpy.uint16, True)]
+    out, labels = numpy.empty((1, 5), numpy.int64), numpy.empty((1, 4), numpy.float32)
+    for native in (True, False):
+        with pytest.raises(StatefulsetError, match=r"tokens_uint16_1: 2 range starts but 1 lengths"):
+            gather_ranges(dataset, [0, 10], [5], out, labels, native=native)
 
 
 def test_a_range_past_the_end_is_refused_naming_the_bin(shards):

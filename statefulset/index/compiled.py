@@ -55,6 +55,7 @@ _REBUILD = "pip install . (or pip install -e . / python setup.py build_ext --inp
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "lib": None, "reason": None, "origin": None}
+_scratch = threading.local()  # scratch(): each thread's block of kernel arguments
 
 
 # --------------------------------------------------------------------------- finding and loading
@@ -197,6 +198,26 @@ def address(array: numpy.ndarray, dtype: type) -> int:
     if array.dtype != dtype or not array.flags.c_contiguous:
         raise StatefulsetError(f"internal: a kernel needs a C-contiguous {numpy.dtype(dtype)} array, got {array.dtype}")
     return array.ctypes.data
+
+
+def writable_address(array: numpy.ndarray) -> int | None:
+    """The data address of a writable C-contiguous ``array`` (None for any other), for a kernel that
+    writes into it: ~0.4 µs, where ``array.ctypes.data`` costs ~1.4 µs per batch."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    except (TypeError, ValueError, BufferError):  # read-only, not contiguous, or empty
+        return None
+
+
+def scratch(size: int) -> tuple[numpy.ndarray, int]:
+    """This thread's int64 block of at least ``size`` values and its address, for per-batch kernel
+    arguments: written in place instead of a new array whose address must be read each time. Each
+    thread has its own, so concurrent batches never share one; valid until this thread's next call."""
+    found = getattr(_scratch, "block", None)
+    if found is None or found[0].size < size:
+        block = numpy.empty(max(size, 2 * (0 if found is None else found[0].size), 256), dtype=numpy.int64)
+        found = _scratch.block = (block, block.ctypes.data)
+    return found
 
 
 def available() -> bool:
