@@ -153,8 +153,8 @@ class SampleStream:
 
     def gather_masked(
         self, positions: Any, out: numpy.ndarray | None = None, want: bool = True, labels: numpy.ndarray | None = None
-    ) -> tuple[numpy.ndarray, Pieces, numpy.ndarray]:
-        """:meth:`gather_pieces` (pieces only with ``want``), and the rows' ``loss_mask``: float32
+    ) -> tuple[numpy.ndarray, Pieces | None, numpy.ndarray]:
+        """:meth:`gather_pieces` (the pieces only with ``want``, else None), and the rows' ``loss_mask``: float32
         ``[len(positions), seq_length]``, into ``labels`` when given (C-contiguous, that shape and
         dtype), each label's token's mask read from the sources' mask shards along the tokens' own
         ranges (1 for a source without one, 0 on bestfit padding: :mod:`statefulset.streams.label_masks`)."""
@@ -163,7 +163,7 @@ class SampleStream:
         if labels is None or labels.shape != shape or labels.dtype != _FLOAT32 or not labels.flags.c_contiguous:
             labels = numpy.empty(shape, dtype=numpy.float32)
         out, pieces = self._gather(positions, out, want, labels)
-        return out, _some(pieces), labels
+        return out, _some(pieces) if want else None, labels
 
     def _gather(
         self, positions: Any, out: numpy.ndarray | None, want: bool, masks: numpy.ndarray | None = None
