@@ -116,3 +116,19 @@ def test_epoch_orders_differ(tmp_path, key):
 def test_too_small_split(shard):
     with pytest.raises(StatefulsetError, match="too few for one sample"):
         WindowSource(shard, (0, 1), 64, 0)
+
+
+def test_the_last_positions_located_are_answered_again_as_copies():
+    """A task encoder's micro-batch is located twice (its tokens, then each sample's source): the second
+    answer is the first's, as new arrays, so a caller that writes into one cannot change the next."""
+    schedule = BlendSchedule([0.5, 0.3, 0.2])
+    positions = numpy.array([[7, 3, 99], [10**12, 5, 0]])
+    first = schedule.locate(positions)
+    for array in first:
+        array[...] = -1
+    again = schedule.locate(positions.copy())
+    fresh = BlendSchedule([0.5, 0.3, 0.2]).locate(positions)
+    for got, want in zip(again, fresh, strict=True):
+        assert got.shape == positions.shape and numpy.array_equal(got, want)
+    other = schedule.locate(positions.reshape(-1))  # the same bytes, another shape: located again
+    assert other[0].shape == (6,) and numpy.array_equal(other[0], fresh[0].reshape(-1))

@@ -239,3 +239,14 @@ def test_source_counts_at_many_positions_equal_one_at_a_time(shards, packing):
         for p, row, stage in zip(positions.tolist(), counts.tolist(), stages.tolist(), strict=True):
             assert row == stream.source_counts(p), (stream, p)
             assert stage == (stream.stage_of(p) if hasattr(stream, "stage_of") else 0)
+
+
+def test_a_stream_locates_the_same_positions_again_as_copies(shards):
+    stream = open_stream(staged(shards, ANNEAL))
+    positions = numpy.array([0, 299, 300, 701, 5, 10**9])
+    which, local = stream.locate(positions)
+    want = (which.copy(), local.copy())
+    which[...], local[...] = -1, -1
+    for got, expected in zip(stream.locate(positions), want, strict=True):
+        assert numpy.array_equal(got, expected)
+    assert numpy.array_equal(stream.locate(positions[:3])[0], want[0][:3])
