@@ -556,3 +556,42 @@ def test_blending_bad_input(native, weights, size, message):
 def test_exhaustive_bad_input(native, sizes, message):
     with pytest.raises(StatefulsetError, match=message):
         blend.exhaustive_blending_indices(sizes, native=native)
+
+
+def _load_kernels_and_exit() -> None:
+    os._exit(0 if kernels.library() is not None else 3)
+
+
+def test_a_process_forked_while_another_thread_loads_the_kernels_loads_them_itself():
+    """A fork copies only the forking thread: DataLoader workers forked by one trainer thread while
+    another thread was loading the kernels (its first batch: two ranks of a torchft replica group as
+    threads) must not inherit the loading lock held, or their first batch waits forever (seen: a
+    worker of tests/test_torchft.py's replica group stalled on micro-batch 0). Gated: the other thread
+    holds the lock for the whole fork."""
+    import multiprocessing
+    import threading
+
+    kernels._reset()
+    holding, release = threading.Event(), threading.Event()
+
+    def loading() -> None:
+        with kernels._lock:  # where library() is while it loads
+            holding.set()
+            release.wait(120)
+
+    thread = threading.Thread(target=loading)
+    thread.start()
+    child = None
+    try:
+        assert holding.wait(60), "the loading thread did not take the lock within 60 s"
+        child = multiprocessing.get_context("fork").Process(target=_load_kernels_and_exit)
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0, f"the forked child did not load the kernels within 60 s (exit {child.exitcode})"
+    finally:
+        release.set()
+        thread.join(60)
+        if child is not None and child.is_alive():
+            child.kill()
+            child.join(30)
+        kernels.library()

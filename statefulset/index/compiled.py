@@ -35,6 +35,7 @@ import ctypes
 import hashlib
 import importlib.util
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -56,6 +57,18 @@ _REBUILD = "pip install . (or pip install -e . / python setup.py build_ext --inp
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "lib": None, "reason": None, "origin": None}
 _scratch = threading.local()  # scratch(): each thread's block of kernel arguments
+
+
+def _new_lock_in_child() -> None:
+    # A fork copies only the forking thread: a DataLoader forked by one trainer thread while another
+    # thread was loading the kernels (two ranks of a torchft replica group as threads, each building
+    # its first batch) would keep the lock held forever, and its workers' first batch would hang.
+    # The child loads the kernels itself if the parent had not finished.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 # --------------------------------------------------------------------------- finding and loading
