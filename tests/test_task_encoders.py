@@ -472,12 +472,22 @@ class ShiftsTokens:
         return sample
 
 
+class ShiftsTokensInPlace(ShiftsTokens):
+    """The same shift written into the sample's own row (the ring stages such rows without a copy)."""
+
+    def encode_sample(self, sample, rng):
+        sample.text += self.shift + rng.integers(0, 3)
+        sample.position_ids[::2] = sample.position_ids[::-2]  # another field changed in place too
+        return sample
+
+
 @pytest.mark.parametrize("shift", [0, 70_000, -70_000, 2**40])
-def test_encoded_batches_in_and_out_of_the_rings_layout_are_exact(spec, shift):
-    ds = get_train_dataset(spec, batch_size=3, task_encoder=ShiftsTokens(shift), document_boundaries=True)
+@pytest.mark.parametrize("encoder", [ShiftsTokens, ShiftsTokensInPlace])
+def test_encoded_batches_in_and_out_of_the_rings_layout_are_exact(spec, shift, encoder):
+    ds = get_train_dataset(spec, batch_size=3, task_encoder=encoder(shift), document_boundaries=True)
     wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
     ld = get_savable_loader(get_train_dataset(spec, batch_size=3, worker_config=wc, document_boundaries=True,
-                                              task_encoder=ShiftsTokens(shift)))  # fmt: skip
+                                              task_encoder=encoder(shift)))  # fmt: skip
     for t, batch in zip(range(20), ld, strict=False):
         assert list(batch) == ["text", "cu_seqlens", "max_seqlen", "position_ids", "sample_id"]
         assert batch["text"].dtype == torch.int64 and batch["sample_id"].tolist() == [3 * t, 3 * t + 1, 3 * t + 2]

@@ -132,8 +132,9 @@ class BatchSource(IterableDataset):
             return self.encoder.micro_batch(fields, positions, sources)
         if not self.encoder.collates:
             return self.encoder.micro_batch(fields, positions, sources, keep=False)
-        samples = self.encoder.encoded_samples(fields, positions, sources)
-        found = staged(samples, ring.fields, positions, numpy.iinfo(ring.dtype))
+        views = {name: list(values) for name, values in fields.items()}  # each row's view, made at once
+        samples = self.encoder.encoded_samples(views, positions, sources)
+        found = staged(samples, ring.fields, positions, numpy.iinfo(ring.dtype), fields, views)
         return found if found is not None else self.encoder.batched(samples, int(positions[0]))
 
     def _serve_encoded(self, ring: BatchRing, worker: int, workers: int) -> Iterator[tuple[Any, ...]]:

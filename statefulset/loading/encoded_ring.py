@@ -17,6 +17,7 @@ collate (statefulset.transforms.collate) and the layout check on its result, as 
 from __future__ import annotations
 
 import dataclasses
+from operator import is_
 from typing import Any
 
 import numpy
@@ -50,37 +51,71 @@ def _names(fields: list[FieldSpec]) -> tuple[str, ...] | None:
     return names if list(names) == order and len(order) == len(names) else None
 
 
-def staged(samples: list[Any], fields: list[FieldSpec], positions: numpy.ndarray, limits: Any) -> Staged | None:
-    """The samples staged for the ring (see the module's docstring), or None when they do not qualify."""
+def staged(
+    samples: list[Any],
+    fields: list[FieldSpec],
+    positions: numpy.ndarray,
+    limits: Any,
+    rows: dict[str, numpy.ndarray] | None = None,
+    views: dict[str, list[numpy.ndarray]] | None = None,
+) -> Staged | None:
+    """The samples staged for the ring (see the module's docstring), or None when they do not qualify.
+
+    ``rows``/``views``: the micro-batch's fields and the row views the samples were made from
+    (:meth:`BatchSource.encoded`). A field whose every sample still holds its own row view (an
+    identity, or a change made in place) is staged as ``rows``' array itself, without a copy.
+    """
     names = _names(fields)
     if names is None:
         return None
-    expected = [(f.name, _INT64 if f.name == "text" else f.dtype, f.shape) for f in fields]
-    arrays = {name: numpy.empty((len(samples), *shape), dtype=dtype) for name, dtype, shape in expected}
     wanted = set(names) | {"text", "sample_id", "source"}
     absent = [n for n in DATASET_FIELDS if n not in wanted]  # the dataset fields the ring does not carry
-    for i, (sample, position) in enumerate(zip(samples, positions.tolist(), strict=True)):
+    held = []
+    for sample, position in zip(samples, positions.tolist(), strict=True):
         if type(sample) is not TokenSample or type(sample.sample_id) is not int or sample.sample_id != position:
             return None
-        held = sample.__dict__
-        if len(held) != _OWN_FIELDS and any(v is not None for k, v in held.items() if k not in wanted):
+        own = sample.__dict__
+        if len(own) != _OWN_FIELDS and any(v is not None for k, v in own.items() if k not in wanted):
             return None  # a field the encoder added
-        for name in absent:
-            if held[name] is not None:
-                return None  # a dataset field the ring does not carry
-        for name, dtype, shape in expected:
-            value = held[name]
-            if type(value) is not numpy.ndarray:
-                if not isinstance(value, numpy.generic):
-                    return None
-                value = numpy.asarray(value)
-            if value.dtype != dtype or value.shape != shape:
-                return None
-            arrays[name][i] = value
+        if any(own[name] is not None for name in absent):
+            return None  # a dataset field the ring does not carry
+        held.append(own)
+    arrays = {}
+    for f in fields:
+        dtype = _INT64 if f.name == "text" else f.dtype
+        column = [own[f.name] for own in held]
+        kept = rows.get(f.name) if rows is not None and views is not None else None
+        if (
+            kept is not None
+            and kept.dtype == dtype
+            and kept.shape[1:] == f.shape
+            and all(map(is_, column, views[f.name]))
+        ):
+            arrays[f.name] = kept
+            continue
+        array = _copied(column, dtype, f.shape)
+        if array is None:
+            return None
+        arrays[f.name] = array
     text = arrays["text"]
     if text.size and (int(text.min()) < limits.min or int(text.max()) > limits.max):
         return None
     return Staged(arrays, positions)
+
+
+def _copied(column: list[Any], dtype: numpy.dtype, shape: tuple[int, ...]) -> numpy.ndarray | None:
+    """The samples' values of one field as one ``[B, *shape]`` array, or None when one is not an array
+    (or numpy scalar) of that dtype and shape."""
+    out = numpy.empty((len(column), *shape), dtype=dtype)
+    for i, value in enumerate(column):
+        if type(value) is not numpy.ndarray:
+            if not isinstance(value, numpy.generic):
+                return None
+            value = numpy.asarray(value)
+        if value.dtype != dtype or value.shape != shape:
+            return None
+        out[i] = value
+    return out
 
 
 # The ring's dtypes for fields other than text, as tensors (text arrives as int64).

@@ -165,7 +165,7 @@ class TaskEncoderRunner:
         with self._globals_kept():
             return self._sample(rows, i, int(sample_id), source)
 
-    def _sample(self, rows: dict[str, numpy.ndarray], i: int, sample_id: int, source: str) -> Any:
+    def _sample(self, rows: dict[str, Any], i: int, sample_id: int, source: str) -> Any:
         sample = TokenSample(text=rows["text"][i], sample_id=sample_id, source=source)
         for name, values in rows.items():
             if name != "text":
@@ -187,8 +187,9 @@ class TaskEncoderRunner:
         with self._globals_kept(keep):
             return self.batched(self.encoded_samples(rows, sample_ids, sources), int(sample_ids[0]))
 
-    def encoded_samples(self, rows: dict[str, numpy.ndarray], sample_ids: numpy.ndarray, sources: list[str]) -> list:
-        """A micro-batch's rows, each through ``encode_sample`` (inside the caller's :meth:`_globals_kept`)."""
+    def encoded_samples(self, rows: dict[str, Any], sample_ids: numpy.ndarray, sources: list[str]) -> list:
+        """A micro-batch's rows, each through ``encode_sample`` (inside the caller's :meth:`_globals_kept`);
+        ``rows``: each field's ``[B, ...]`` array, or the list of its rows' views."""
         return [self._sample(rows, i, p, sources[i]) for i, p in enumerate(sample_ids.tolist())]
 
     @property
