@@ -28,7 +28,15 @@ from statefulset.loading.metrics import Meter, Timer
 from statefulset.loading.ring import BatchRing, bundle_size
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog
-from statefulset.loading.worker_start import POLL_SECONDS, ParentCheck, StartWatch, forks, frozen_for_fork, stop_workers
+from statefulset.loading.worker_start import (
+    POLL_SECONDS,
+    ParentCheck,
+    StartWatch,
+    forks,
+    frozen_for_fork,
+    named_worker_death,
+    stop_workers,
+)
 from statefulset.shards import storage_stats
 
 
@@ -184,7 +192,13 @@ class Delivery:
 
     def __next__(self) -> Any:
         with Timer(self.meter):
-            batch = self._next()
+            try:
+                batch = self._next()
+            except RuntimeError as exc:  # a worker died: torch says so wherever the trainer is
+                named = named_worker_death(exc, describe_batch(self.source, self.next_t, self.workers))
+                if named is None:
+                    raise
+                raise named from exc
         self.meter.batches += 1
         return batch
 

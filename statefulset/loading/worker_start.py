@@ -152,3 +152,15 @@ class ParentCheck:
 
     def __call__(self, worker_id: int) -> None:
         exit_if_orphaned(self.parent)
+
+
+def named_worker_death(exc: RuntimeError, where: str) -> StatefulsetError | None:
+    """torch's error for a DataLoader worker that died, as a ``StatefulsetError`` saying ``where``
+    (the awaited batch); None for any other error.
+
+    torch's SIGCHLD handler raises it in the trainer's main thread wherever that is when a worker
+    dies: inside torch's own wait (``exited unexpectedly``), or anywhere else in ``next()``, such as
+    while a bundle is copied out of the ring (``is killed by signal``).
+    """
+    text = str(exc)
+    return StatefulsetError(f"{where}: {text}") if "DataLoader worker (pid" in text else None

@@ -39,7 +39,14 @@ from statefulset.loading.encoded import pin
 from statefulset.loading.ring import BatchRing, bundle_size
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import STALL_SECONDS, TimedOut, Watchdog
-from statefulset.loading.worker_start import POLL_SECONDS, StartWatch, exit_if_orphaned, frozen_for_fork, stop_workers
+from statefulset.loading.worker_start import (
+    POLL_SECONDS,
+    StartWatch,
+    exit_if_orphaned,
+    frozen_for_fork,
+    named_worker_death,
+    stop_workers,
+)
 from statefulset.shards import storage_stats
 
 _log = logging.getLogger("statefulset")
@@ -230,6 +237,15 @@ class PlanWorkers:
 
     def next(self) -> Any:
         """The plan's next batch: older plans' results are discarded unread."""
+        try:
+            return self._next()
+        except RuntimeError as exc:  # a worker died: torch says so wherever the trainer is
+            named = named_worker_death(exc, self._describe())
+            if named is None:
+                raise
+            raise named from exc
+
+    def _next(self) -> Any:
         while not self.ready:
             item = self.options.watchdog.wait(self._get, self.first, self._describe)
             generation, note = item
