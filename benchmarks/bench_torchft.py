@@ -11,7 +11,9 @@ Two figures, each over ``--repeats`` runs (median, min, max), the loaders altern
   (``next()``) of the first step after each change (median) against the mean data time of the other
   steps.
   Target: at most 2x. ``--compute-ms`` adds a training step's time between ``next()`` calls (0:
-  the loop is bound by the loader, the hardest case for the workers).
+  the loop is bound by the loader, the hardest case for the workers). The refill is reported too:
+  the second step after a change, the steady steps, and the extra data time of a whole stretch
+  between changes over as many steady steps (what a change costs in all).
 
 The manager is a stand-in answering the four questions the loader asks a ``torchft.Manager``
 (``num_participants``, ``participating_rank``, ``is_participating``, ``batches_committed``) as
@@ -88,28 +90,92 @@ def tokens_per_second(spec: str, kind: str, batch: int, workers: int, batches: i
     return tokens / (time.perf_counter() - start)
 
 
-def change_times(spec: str, batch: int, workers: int, steps: int, every: int, compute_ms: float) -> dict:
-    """Data time of the first step after each quorum change, and of the other steps (seconds)."""
+def _cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """CPU time of a process (or one of its threads) so far, from the kernel's schedstat (Linux)."""
+    path = f"/proc/{pid}/task/{thread}/schedstat" if thread else f"/proc/{pid}/schedstat"
+    with open(path) as f:
+        return int(f.read().split()[0]) / 1e9
+
+
+class CpuMeter:
+    """``--cpu``: the CPU each step took in the trainer (all its threads), in its helper thread (the
+    batches built in the trainer) and in the workers, for a machine too loaded for wall clocks."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[tuple[float, float, float]]] = {"first": [], "second": [], "other": []}
+        self.pids: list[int] = []
+        self.helper: int | None = None
+
+    def start(self, loader) -> tuple[float, float, float] | None:
+        import threading
+
+        if not self.pids:
+            self.pids = loader.worker_pids()
+            names = {t.name: t.native_id for t in threading.enumerate()}
+            self.helper = names.get("statefulset-torchft-build")
+        if not self.pids:
+            return None
+        helper = _cpu_seconds(os.getpid(), self.helper) if self.helper else 0.0
+        return time.process_time(), helper, sum(_cpu_seconds(p) for p in self.pids)
+
+    def stop(self, began: tuple[float, float, float] | None, kind: str) -> None:
+        if began is not None:
+            now = self.start(None)
+            self.rows[kind].append(tuple(b - a for a, b in zip(began, now, strict=True)))  # type: ignore[arg-type]
+
+    def summary(self) -> dict:
+        out = {}
+        for kind, rows in self.rows.items():
+            pick = statistics.fmean if kind == "other" else statistics.median
+            out[kind] = {k: pick(r[i] for r in rows) for i, k in enumerate(("trainer", "helper_thread", "workers"))}
+        return out
+
+
+def change_times(spec: str, batch: int, workers: int, steps: int, every: int, compute_ms: float, cpu: bool) -> dict:
+    """Data time of the first step after each quorum change, and of the other steps (seconds).
+
+    Also what the refill costs: the second step after a change (median; it waits for the stale
+    results of the old plan and the new plan's first build), the steady steps (the mean of each
+    stretch's steps from the tenth on) and the extra data time a whole stretch took over as many
+    steady steps (its mean over stretches: what one change costs in all). ``cpu``: also the CPU of
+    the first, second and other steps (CpuMeter), under ``"cpu"``."""
     from statefulset.integrations.torchft import FaultTolerantLoader
 
     quorum = Quorum(3, 1)
     loader = FaultTolerantLoader(_dataset(spec, batch, workers), quorum)
-    first, normal = [], []
+    meter = CpuMeter() if cpu else None
+    stretches: list[list[float]] = []
     for step in range(steps):
         if step and step % every == 0:  # 3 -> 2 -> 3 participants; the rank moves with them
             quorum.participants, quorum.rank = (2, 0) if quorum.participants == 3 else (3, 2)
         quorum.start_quorum()
+        began = meter.start(loader) if meter is not None and step >= every else None
         start = time.perf_counter()
         next(loader)
         took = time.perf_counter() - start
+        if meter is not None:
+            meter.stop(began, ("first", "second")[step % every] if step % every < 2 else "other")
         if step >= every:  # the first stretch warms up (workers start)
-            (first if step % every == 0 else normal).append(took)
+            if step % every == 0:
+                stretches.append([])
+            stretches[-1].append(took)
         quorum.commit()
         if compute_ms:
             time.sleep(compute_ms / 1000)
+    loader.close()
+    first = [s[0] for s in stretches]
+    normal = [t for s in stretches for t in s[1:]]
+    steady = statistics.fmean(t for s in stretches for t in s[10:])
     # A normal step's data time is the mean: batches arrive in bundles, so most next() calls only
     # pop one (microseconds) and the median would hide the build time.
-    return {"first_after_change": statistics.median(first), "normal": statistics.fmean(normal)}
+    times = {
+        "first_after_change": statistics.median(first),
+        "normal": statistics.fmean(normal),
+        "second_after_change": statistics.median(s[1] for s in stretches if len(s) > 1),
+        "steady": steady,
+        "extra_per_change": statistics.fmean(sum(s) - len(s) * steady for s in stretches if len(s) == every),
+    }
+    return times if meter is None else {**times, "cpu": meter.summary()}
 
 
 def main() -> None:
@@ -122,6 +188,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=20000)
     parser.add_argument("--change-every", type=int, default=50)
     parser.add_argument("--compute-ms", type=float, default=0.0)
+    parser.add_argument("--cpu", action="store_true", help="also the CPU of the steps after a change (Linux)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="smoke run (3 runs, small sizes)")
     args = parser.parse_args()
@@ -138,13 +205,16 @@ def main() -> None:
     folder = os.path.join(HERE, "out", "torchft", f"d{args.documents}-s{args.seq_length}")
     spec = demo_spec(folder, documents=args.documents, seq_length=args.seq_length)
     runs: dict[str, list[float]] = {"plain": [], "fault_tolerant": []}
-    changes: dict[str, list[float]] = {"first_after_change": [], "normal": [], "ratio": []}
+    changes: dict[str, list[float]] = {"ratio": []}
+    cpu_runs: list[dict] = []
     for r in range(args.repeats):
         for kind in ("plain", "fault_tolerant") if r % 2 == 0 else ("fault_tolerant", "plain"):
             runs[kind].append(tokens_per_second(spec, kind, args.batch, args.workers, args.batches))
-        times = change_times(spec, args.batch, args.workers, args.batches, args.change_every, args.compute_ms)
+        times = change_times(spec, args.batch, args.workers, args.batches, args.change_every, args.compute_ms, args.cpu)
+        if "cpu" in times:
+            cpu_runs.append(times.pop("cpu"))
         for key, value in times.items():
-            changes[key].append(value)
+            changes.setdefault(key, []).append(value)
         changes["ratio"].append(times["first_after_change"] / times["normal"])
     ratios = [f / p for f, p in zip(runs["fault_tolerant"], runs["plain"], strict=True)]
     result = {
@@ -162,6 +232,8 @@ def main() -> None:
         "change_seconds_runs": changes,
         "change": {k: spread(v) for k, v in changes.items()},
     }
+    if cpu_runs:
+        result["change_cpu_seconds_runs"] = cpu_runs
     out = write_results("bench_torchft", result, path=args.out, quick=args.quick)
     print(f"{args.workers} workers, batch {args.batch} x {args.seq_length + 1}, {args.repeats} runs; results {out}")
     for kind, sp in result["tokens_per_second"].items():
@@ -172,6 +244,15 @@ def main() -> None:
         f"  first batch after a change: {ch['first_after_change']['median'] * 1e3:.2f} ms against "
         f"{ch['normal']['median'] * 1e3:.2f} ms, ratio {ch['ratio']['median']:.2f} (target <= 2)"
     )
+    print(
+        f"  the refill: second step after a change {ch['second_after_change']['median'] * 1e3:.2f} ms, steady steps "
+        f"{ch['steady']['median'] * 1e3:.2f} ms; a change costs {ch['extra_per_change']['median'] * 1e3:.2f} ms "
+        "of data time in all"
+    )
+    for kind in ("first", "second", "other") if cpu_runs else ():
+        parts = {k: statistics.median(run[kind][k] for run in cpu_runs) * 1e3 for k in cpu_runs[0][kind]}
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
+        print(f"  CPU of the {kind} step(s) after a change, median of runs (ms): {shown}")
 
 
 if __name__ == "__main__":

@@ -192,7 +192,19 @@ def torchft() -> str:
         f"| data time of a normal step (ms) | {_spread(change['normal'], 1000, 2)} | |",
         f"| data time of the first step after a change (ms) | {_spread(change['first_after_change'], 1000, 2)} | |",
         f"| ratio, first step after a change | {_spread(change['ratio'], 1, change_digits)} | <= 2 ({first}) |",
+        *_torchft_refill(change),
     ]) + "\n"  # fmt: skip
+
+
+def _torchft_refill(change: dict) -> list[str]:
+    """The rows of the refill after a change (results from before they were measured have none)."""
+    if "extra_per_change" not in change:
+        return []
+    return [
+        f"| data time of the second step after a change (ms) | {_spread(change['second_after_change'], 1000, 2)} | |",
+        f"| data time of a steady step (ms) | {_spread(change['steady'], 1000, 2)} | |",
+        f"| extra data time of a change, all steps (ms) | {_spread(change['extra_per_change'], 1000, 2)} | |",
+    ]
 
 
 GENERATORS: dict[str, Callable[..., str]] = {

@@ -136,10 +136,15 @@ class InProcessSource:
         thread.start()
         weakref.finalize(self, self._requests.put, None)
 
-    def get(self, period: float | None) -> Any:
+    def ask(self) -> None:
+        """Ask for the next item now (at most once before it is taken): the thread starts on it while
+        the caller does something else, and :meth:`get` then only waits."""
         if not self._pending:
             self._requests.put(True)
             self._pending = True
+
+    def get(self, period: float | None) -> Any:
+        self.ask()
         try:
             ok, value = self._results.get(timeout=period)
         except queue.Empty:

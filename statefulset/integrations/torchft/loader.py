@@ -41,6 +41,7 @@ from statefulset.loading.encoded import pin
 from statefulset.loading.loader import get_savable_loader
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import InProcessSource
+from statefulset.streams.documents import gather_fields
 
 _log = logging.getLogger("statefulset")
 
@@ -75,21 +76,23 @@ class _Builder:
 
     On a helper thread while the watchdog is on (:class:`~statefulset.loading.watchdog.InProcessSource`),
     so that the wait for a stalled read stays bounded; it holds the dataset, not the loader, so
-    that the thread ends when the loader is dropped.
+    that the thread ends when the loader is dropped. One source for the loader's life: replica-batch
+    ``n`` is its batch ``n`` (DP rank ``r`` of a layout of DP size ``W`` placed at 0).
     """
 
     def __init__(self, dataset: StreamDataset) -> None:
-        self.dataset = dataset
-        stream = dataset.stream
-        self.wrap = None if stream.unbounded or not dataset.repeat else len(stream)
+        stream, wc, b = dataset.stream, dataset.worker_config, dataset.batch_size
+        wrap = None if stream.unbounded or not dataset.repeat else len(stream)
+        cursor = Cursor(0, 0, wc.rank, wc.world_size, b)
+        self.source = BatchSource(stream, cursor, None, wrap, None, dataset.document_boundaries, dataset.encoder)
         self.wanted: list[int] = []
 
     def build(self, n: int) -> Any:
-        d = self.dataset
-        wc, b = d.worker_config, d.batch_size
-        cursor = Cursor(n * wc.world_size * b, 0, wc.rank, wc.world_size, b)
-        source = BatchSource(d.stream, cursor, 1, self.wrap, None, d.document_boundaries, d.encoder)
-        return receive(source, next(iter(source)), 0)[0]
+        source = self.source
+        source.stream.check_unchanged()  # the .bin files are still the ones opened, as for every pass
+        if source.encoder is not None:
+            return receive(source, ("local", n, source.encoded(n, None)), n)[0]
+        return receive(source, (n, gather_fields(source.stream, source.positions(n), source.boundaries)), n)[0]
 
     def __iter__(self) -> _Builder:
         return self
@@ -153,15 +156,23 @@ class FaultTolerantLoader:
         first = (replica_batch * w + self.group_rank) * b
         return numpy.arange(first, first + b, dtype=numpy.int64)
 
-    def _build(self, n: int) -> Any:
-        """Replica-batch ``n`` built here, in the trainer process (on the helper thread, watched)."""
+    def _ask(self, n: int) -> None:
+        """Start building replica-batch ``n`` here, in the trainer process (on the helper thread,
+        watched): the thread wakes while the caller re-targets the workers; :meth:`_take` waits."""
         self._builder.wanted.append(n)
+        if self._in_process is not None:
+            self._in_process.ask()
+
+    def _take(self, n: int) -> Any:
+        """Replica-batch ``n``, asked for by :meth:`_ask`."""
         if self._in_process is None:
             batch = next(self._builder)
         else:
-            what = f"the trainer process was building replica-batch {n} (stream positions from {self.positions(n)[0]})"
-            batch = self._options.watchdog.wait(self._in_process.get, False, lambda: what)
+            batch = self._options.watchdog.wait(self._in_process.get, False, lambda: self._building(n))
         return pin(batch) if self._options.pin_memory and torch.cuda.is_available() else batch
+
+    def _building(self, n: int) -> str:
+        return f"the trainer process was building replica-batch {n} (stream positions from {self.positions(n)[0]})"
 
     def _ended(self, n: int) -> bool:
         """Whether replica-batch ``n`` lies past the end of a stream that does not repeat."""
@@ -190,7 +201,8 @@ class FaultTolerantLoader:
             _log.info("torchft step %d: this replica is not participating; replica-batch %d is not counted", step, n)
             if self._ended(n):
                 raise StopIteration
-            return self._build(n)
+            self._ask(n)
+            return self._take(n)
         # Counted in num_participants() even when its gradients are zeroed (torchft's init_sync at step 0).
         n = committed + rank
         self.last = Served(step, n, rank, participants, committed, bool(m.is_participating()))
@@ -209,10 +221,17 @@ class FaultTolerantLoader:
                 self._retarget(n + stride, stride)
             self._plan = (n + stride, stride)
             return batch
-        # Another replica-batch than the plan guessed: built here now. The plan goes on when it
-        # still holds for the next step (a failed commit: the same step again); else the workers
-        # are re-targeted in place to the new plan and what they built for the old one is dropped.
-        if workers and self._plan != (n + stride, stride):
+        # Another replica-batch than the plan guessed: built here now. The plan goes on when it still
+        # holds for the next step (a failed commit: the same step again); else the workers are
+        # re-targeted in place to the new plan and what they built for the old one is dropped. The
+        # build starts first, so that the helper thread wakes while the workers are re-targeted; but
+        # after the fork of the first plan's workers (a fork must not copy a thread mid-build).
+        self.built_here += 1
+        replan = bool(workers) and self._plan != (n + stride, stride)
+        early = not replan or self._workers is not None
+        if early:
+            self._ask(n)
+        if replan:
             if self._plan is not None:
                 _log.info(
                     "torchft: the quorum moved this replica from replica-batch %d (stride %d) to %d (stride %d); "
@@ -221,8 +240,9 @@ class FaultTolerantLoader:
                 )  # fmt: skip
             self._retarget(n + stride, stride)
             self._plan = (n + stride, stride)
-        self.built_here += 1
-        return self._build(n)
+        if not early:
+            self._ask(n)
+        return self._take(n)
 
     def _retarget(self, first: int, stride: int) -> None:
         """The workers' plan from now on: replica-batches ``first, first+stride, ...`` (the first plan forks them)."""
