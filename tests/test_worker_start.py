@@ -273,3 +273,34 @@ def test_a_worker_whose_trainer_died_while_it_started_exits(spec, tmp_path):
         for p in pids:
             if _running(p):
                 os.kill(p, signal.SIGKILL)
+
+
+_IMPORT_LOCK_HELD = r"""
+import importlib._bootstrap, json, sys, threading
+from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
+assert "numpy.ctypeslib" not in sys.modules  # the kernels are not loaded yet: the first batch loads them
+held, release = threading.Event(), threading.Event()
+
+def hold():  # another thread of the trainer, inside the import the kernels need, for 3 s
+    with importlib._bootstrap._ModuleLockManager("numpy.ctypeslib"):
+        held.set()
+        release.wait(3)
+
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+wc = WorkerConfig(rank=0, world_size=1, num_workers=1)
+loader = get_savable_loader(get_train_dataset(json.loads(sys.argv[1]), batch_size=2, worker_config=wc), timeout=20)
+batch = next(iter(loader))
+print("first batch", batch["sample_id"].tolist())
+"""
+
+
+def test_a_fork_while_another_thread_imports_what_the_kernels_need_does_not_hang_the_worker(spec, tmp_path):
+    """A rank thread forked its workers while another rank's thread was importing numpy.ctypeslib (the
+    first batch of the process loads the kernels): the worker inherited that module's import lock,
+    held by a thread it does not have, and waited on it forever at its first batch (seen in
+    tests/test_torchft.py's kill test under load, gdb). Gated: a thread holds the lock across the fork."""
+    argv = [sys.executable, "-c", _IMPORT_LOCK_HELD, json.dumps(spec)]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "first batch [0, 1]" in run.stdout

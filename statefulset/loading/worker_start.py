@@ -42,6 +42,7 @@ from typing import Any
 
 from statefulset import settings
 from statefulset.errors import StatefulsetError
+from statefulset.index import compiled
 from statefulset.loading import torch_internals
 
 log = logging.getLogger("statefulset")
@@ -122,7 +123,13 @@ def frozen_for_fork() -> Iterator[None]:
 
     A trainer that froze objects itself (``gc.freeze`` before forking, as Python's docs advise
     for memory sharing) keeps them frozen: then nothing is thawed.
+
+    The compiled kernels are loaded first, here: a worker would otherwise load them at its first
+    batch, importing ``numpy.ctypeslib``, and a fork while another thread of the trainer held that
+    module's import lock (another rank's thread loading them) left the child waiting on it forever.
+    Loaded here, the fork waits for that thread's import instead, and no worker imports anything.
     """
+    compiled.library()
     thaw = gc.get_freeze_count() == 0
     gc.freeze()
     try:
