@@ -7,7 +7,7 @@ workers over a local native-packed corpus with a two-stage schedule (the per-sou
 the blend tree whenever the position moved), alternating the loops; at micro-batches of 8 x 129
 tokens (where a read weighs most) and 8 x 2049 (the size the other loader benchmarks use). Also
 the time of one ``metrics()`` call at a position that moved, and of ``metrics(across_ranks=True)``
-on one rank. And the same ratio within one loader (``paired_ratio``): blocks of 250 batches that read
+on one rank. And the same ratio within one loader (``paired_ratio``): blocks of 1,000 batches that read
 after every batch alternate with blocks that never read (ABBA), so both sides share the workers,
 the caches and whatever else the machine does; the runs' spread of that ratio is much narrower.
 
@@ -63,7 +63,7 @@ def batches_per_second(spec: str, every: int, batches: int) -> float:
     return batches / (time.perf_counter() - start)
 
 
-def paired_ratio(spec: str, batches: int, block: int = 250) -> float:
+def paired_ratio(spec: str, batches: int, block: int = 1000) -> float:
     """Throughput reading the metrics after every batch over never reading them, in one loader: blocks of
     ``block`` batches alternate (read, not, not, read, ...), so both see the same workers, caches and
     machine load; the ratio of the two sums of block times."""

@@ -65,6 +65,7 @@ class Meter:
         # The per-source keys (samples then epochs; weights) and each source's epoch, made once.
         self._keys: tuple[list[str], list[str], numpy.ndarray] | None = None
         self._ahead: dict[int, tuple[int, list[float]]] = {}  # position -> its stage and per-source values
+        self._step = 0  # how far the position moved between the last two reads that walked the tree
         self._stage: int | None = None  # the stage the weights in _values are for
         self._storage_key = b""  # the storage rows' bytes the storage values in _values are for
         # The trainer's own row counts for the whole process (other loaders, earlier ones): this
@@ -146,10 +147,12 @@ class Meter:
 
     def _look_ahead(self, stream: Any, position: int) -> tuple[int, list[float]]:
         """The stage and the per-source samples and epochs at ``position``; when the reads move by a
-        steady step (a rank reads every batch, or every n-th), also at the next positions that step
-        apart, in one vectorised walk of the blend tree, kept for the reads to come."""
+        steady step (a rank reads every batch, or every n-th: the same step twice), also at the next
+        positions that step apart, in one vectorised walk of the blend tree, kept for the reads to come."""
         step = position - self._place if self._place is not None and position > self._place else 0
-        ahead = max(1, min(_AHEAD, _AHEAD_VALUES // len(self._keys[1]))) if step else 1
+        # Ahead only once the same step was seen twice: a jump (reads resumed after a pause) walks once.
+        steady, self._step = step and step == self._step, step
+        ahead = max(1, min(_AHEAD, _AHEAD_VALUES // len(self._keys[1]))) if steady else 1
         positions = position + step * numpy.arange(ahead, dtype=numpy.int64)
         counts, stages = stream.source_counts_many(positions)
         numbers = numpy.concatenate([counts.astype(numpy.float64), counts / self._keys[2]], axis=1)
