@@ -348,3 +348,29 @@ def test_the_datamodule_logs_the_loader_metrics_to_the_trainer_loggers(tmp_path,
     assert last["data/batches"] == 5 and last["data/position"] == 5 * B  # the batches of steps 0..4 were taken
     assert last["data/data_wait_seconds"] > 0
     assert any(k.startswith("data/source/") and k.endswith("/weight") for k in last)
+
+
+def test_a_masked_source_gives_lightning_batches_its_loss_mask(tmp_path):
+    """Issue 28: a source with a mask shard (CONTRACT §16) gives the datamodule's training batches
+    ``loss_mask``, each row the dataset's own for that sample id, with workers too."""
+    import numpy
+
+    from statefulset import IndexedDatasetWriter, get_train_dataset
+
+    prefix = str(tmp_path / "sft")
+    rng = numpy.random.default_rng(4)
+    with IndexedDatasetWriter(prefix, numpy.int32) as w, IndexedDatasetWriter(prefix + "_loss_mask", numpy.uint8) as m:
+        for d in range(300):
+            n = int(rng.integers(3, 40))
+            w.add_document(numpy.arange(n, dtype=numpy.int32) + d)
+            m.add_document((rng.random(n) < 0.5).astype(numpy.uint8))
+    spec = {"data_path": prefix, "seq_length": 32, "split": "100,0,0", "seed": 2, "path_to_cache": str(tmp_path / "c")}
+    dataset = get_train_dataset(spec, batch_size=B)
+    dm = StatefulsetDataModule(spec, micro_batch_size=B, num_workers=1)
+    train = iter(dm.train_dataloader())
+    for _ in range(5):
+        batch = next(train)
+        assert batch["loss_mask"].dtype == torch.float32 and batch["loss_mask"].shape == (B, 32)
+        for row, p in zip(batch["loss_mask"], batch["sample_id"].tolist(), strict=True):
+            assert row.tolist() == torch.as_tensor(dataset[p]["loss_mask"]).tolist()
+        assert 0 < float(batch["loss_mask"].mean()) < 1
