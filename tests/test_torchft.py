@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy
 import pytest
 import torch
+from quorums import ScriptedQuorum
 
 from statefulset import StatefulsetError, WorkerConfig, get_train_dataset
 from statefulset.integrations.torchft import FaultTolerantLoader
@@ -141,38 +142,6 @@ def test_bad_arguments_are_refused(spec, replica):
         FaultTolerantLoader(ds, replica.manager, prefetch_factor=0)
     with pytest.raises(StatefulsetError, match="worker_config"):
         FaultTolerantLoader(ds, replica.manager, worker_config=wc)
-
-
-class ScriptedQuorum:
-    """Answers what FaultTolerantLoader asks a torchft Manager, as torchft does, for quorums the test
-    scripts (no lighthouse: the quorum changes exactly at the step the test chose): each commit adds
-    the participants to ``batches_committed``; a failed one adds nothing."""
-
-    def __init__(self, participants: int, rank: int) -> None:
-        self.participants, self.rank, self.step, self.committed = participants, rank, 0, 0
-
-    def start_quorum(self) -> None:
-        pass
-
-    def num_participants(self) -> int:
-        return self.participants
-
-    def participating_rank(self) -> int:
-        return self.rank
-
-    def is_participating(self) -> bool:
-        return True
-
-    def batches_committed(self) -> int:
-        return self.committed
-
-    def current_step(self) -> int:
-        return self.step
-
-    def commit(self, ok: bool = True) -> None:
-        if ok:
-            self.step += 1
-            self.committed += self.participants
 
 
 def _wait_for(condition, seconds: float, what: str) -> None:

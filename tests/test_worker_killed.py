@@ -10,12 +10,14 @@ the signal is pending when ``receive`` runs its first instruction, every time.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
 
 import numpy
 import pytest
+from quorums import ScriptedQuorum
 
 from statefulset import IndexedDatasetWriter, StatefulsetError, WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.integrations.torchft import FaultTolerantLoader
@@ -37,34 +39,6 @@ def _children() -> set[int]:
     return out
 
 
-class OneReplica:
-    """torchft's Manager as the loader reads it: one replica, every step committed."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def start_quorum(self) -> None:
-        pass
-
-    def commit(self) -> None:
-        self.step += 1
-
-    def num_participants(self) -> int:
-        return 1
-
-    def participating_rank(self) -> int:
-        return 0
-
-    def is_participating(self) -> bool:
-        return True
-
-    def batches_committed(self) -> int:
-        return self.step
-
-    def current_step(self) -> int:
-        return self.step
-
-
 @pytest.fixture
 def spec(tmp_path):
     with IndexedDatasetWriter(tmp_path / "s", numpy.int32) as w:
@@ -79,7 +53,7 @@ def test_a_worker_killed_while_the_trainer_unpacks_a_batch_is_a_named_error(spec
     wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
     ds = get_train_dataset(spec, batch_size=2, worker_config=wc)
     before = _children()
-    quorum = OneReplica()
+    quorum = ScriptedQuorum(1, 0)  # one replica, every step committed
     # The torchft pool's workers are DataLoader workers too.
     it = iter(get_savable_loader(ds)) if kind == "savable" else FaultTolerantLoader(ds, quorum)
     next(it)  # the workers are up
@@ -103,4 +77,8 @@ def test_a_worker_killed_while_the_trainer_unpacks_a_batch_is_a_named_error(spec
                 quorum.commit()
     finally:
         sys.setprofile(None)
+        if kind == "torchft":
+            it.close()  # its other worker too: later tests count this process's children
+        del it
+        gc.collect()  # the savable loader's DataLoader iterator shuts its workers down when collected
     assert killed == [victim]
