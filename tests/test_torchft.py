@@ -308,3 +308,37 @@ def test_encoded_batches_through_re_targeted_workers_are_the_trainers_own(spec, 
         loader.close()
         served.append(taken)
     assert served[0] == served[1]
+
+
+class HoldsSample:
+    """An identity encoder that holds sample ``held`` until ``gate`` is set (a stalled read, on the
+    trainer's helper thread: FaultTolerantLoader builds off-plan steps there)."""
+
+    def __init__(self, gate, held: int) -> None:
+        self.gate, self.held = gate, held
+
+    def encode_sample(self, sample):
+        if sample.sample_id == self.held:
+            self.gate.wait(60)
+        return sample
+
+
+def test_a_build_given_up_on_is_never_served_as_another_replica_batch(spec):
+    """The watchdog gave up on replica-batch 0 while the trainer's helper thread still built it; the
+    quorum then moved this replica to replica-batch 1. The late build of 0 comes first and is
+    dropped: next() serves replica-batch 1's own rows (it served 0's before this was tagged)."""
+    import threading
+
+    gate = threading.Event()
+    quorum = ScriptedQuorum(1, 0)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)  # every step is built in the trainer
+    ds = get_train_dataset(spec, batch_size=3, worker_config=wc, task_encoder=HoldsSample(gate, held=0))
+    loader = FaultTolerantLoader(ds, quorum, watchdog_timeout_seconds=0.3, fail_on_timeout=True)
+    with pytest.raises(StatefulsetError, match="replica-batch 0"):
+        next(loader)
+    quorum.participants, quorum.rank = 2, 1  # another quorum: this replica's batch is now 1
+    gate.set()  # the build of replica-batch 0 finishes late
+    batch = next(loader)
+    assert loader.last.replica_batch == 1
+    assert batch["sample_id"].tolist() == [3, 4, 5]
+    assert batch["text"].tolist() == [ds[p].text.tolist() for p in (3, 4, 5)]

@@ -97,8 +97,9 @@ class _Builder:
     def __iter__(self) -> _Builder:
         return self
 
-    def __next__(self) -> Any:
-        return self.build(self.wanted.pop())
+    def __next__(self) -> tuple[int, Any]:
+        n = self.wanted.pop()
+        return n, self.build(n)  # tagged: a build the trainer gave up on is never taken for another
 
 
 class FaultTolerantLoader:
@@ -164,11 +165,18 @@ class FaultTolerantLoader:
             self._in_process.ask()
 
     def _take(self, n: int) -> Any:
-        """Replica-batch ``n``, asked for by :meth:`_ask`."""
-        if self._in_process is None:
-            batch = next(self._builder)
-        else:
-            batch = self._options.watchdog.wait(self._in_process.get, False, lambda: self._building(n))
+        """Replica-batch ``n``, asked for by :meth:`_ask`. A build that an earlier ``next()`` gave up
+        on (its watchdog raised while the helper thread still built it) may come first: it is another
+        replica-batch's and is dropped, never served as this one."""
+        while True:
+            if self._in_process is None:
+                built, batch = next(self._builder)
+            else:
+                built, batch = self._options.watchdog.wait(self._in_process.get, False, lambda: self._building(n))
+            if built == n:
+                self._builder.wanted.clear()  # nothing is building now: no request is left to answer
+                break
+            _log.info("torchft: dropped replica-batch %d, built for a next() that gave up waiting for it", built)
         return pin(batch) if self._options.pin_memory and torch.cuda.is_available() else batch
 
     def _building(self, n: int) -> str:
