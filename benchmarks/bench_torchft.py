@@ -33,36 +33,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-
-class Quorum:
-    """What torchft's Manager answers for a scripted quorum: ``participants`` replica groups, this one
-    of rank ``rank``; each commit adds ``participants`` to ``batches_committed`` (torchft's rule)."""
-
-    def __init__(self, participants: int, rank: int) -> None:
-        self.participants, self.rank, self.step, self.committed = participants, rank, 0, 0
-
-    def start_quorum(self) -> None:
-        pass
-
-    def num_participants(self) -> int:
-        return self.participants
-
-    def participating_rank(self) -> int:
-        return self.rank
-
-    def is_participating(self) -> bool:
-        return True
-
-    def batches_committed(self) -> int:
-        return self.committed
-
-    def current_step(self) -> int:
-        return self.step
-
-    def commit(self) -> None:
-        self.step += 1
-        self.committed += self.participants
+from quorums import ScriptedQuorum as Quorum  # noqa: E402  (torchft's Manager for a scripted quorum)
 
 
 def _dataset(spec: str, batch: int, workers: int):
