@@ -157,3 +157,15 @@ def test_a_state_of_a_long_schedule_still_fits_the_exchange_slot(shards):
     small = _loader(_staged(shards, stages[:2]))
     _take(small, 1)
     assert "stage_members" in small.save_state_rank()["identity"]
+
+
+@pytest.mark.parametrize("packing", ["native", "bestfit"])
+def test_a_plain_data_path_with_a_zero_weight_opens(shards, packing):
+    """Failed on main (KeyError naming the prefix): a weight-0 source is not opened, but the one stage
+    of a plain ``data_path`` still looked it up. Found by benchmarks/bench_schedules.py's flat row."""
+    with_zero = {shards["web"]: 0.7, shards["code"]: 0.3, shards["math"]: 0}
+    without = {shards["web"]: 0.7, shards["code"]: 0.3}
+    plain = open_stream(_plain(shards, with_zero, packing))
+    positions = numpy.arange(0, 2000, 3)
+    assert (plain.gather(positions) == open_stream(_plain(shards, without, packing)).gather(positions)).all()
+    assert (plain.gather(positions) == open_stream(_staged(shards, [(0, with_zero)], packing)).gather(positions)).all()

@@ -207,10 +207,12 @@ def open_staged(spec: Any, split: str, identity: dict[str, Any], opened: OpenedS
     where = {prefix: i for i, prefix in enumerate(prefixes)}
     stages, digests, described = [], [], []
     for start, blend in spec.stage_blends():
-        # No weight: blended by size (each source's samples per epoch), as a plain data_path is.
+        # No weight: blended by size (each source's samples per epoch), as a plain data_path is. A
+        # prefix missing from ``where`` has weight 0 in a plain data_path, which opens no such source.
         members = [
             (where[prefix], float(sources[where[prefix]].windows) if weight is None else float(weight))
             for prefix, weight in blend
+            if prefix in where
         ]
         stages.append((start, members))
         parts = [(opened.digests[s], opened.ranges[s], w) for s, w in members]
