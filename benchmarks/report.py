@@ -10,7 +10,7 @@ The first word after ``generated:`` names a generator below, the rest are its ar
 figure in the docs cannot drift from its run: ``tests/test_benchmarks_report.py`` fails when the
 page differs from what this script makes of ``benchmarks/results/``.
 
-    python benchmarks/report.py           # rewrite docs/benchmarks.md
+    python benchmarks/report.py           # rewrite docs/benchmarks.md and docs/schedules.md
     python benchmarks/report.py --check   # exit 1 if it is not current
 """
 
@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 from provenance import RESULTS, machine_line  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
-PAGES = [os.path.join(ROOT, "docs", "benchmarks.md")]
+PAGES = [os.path.join(ROOT, "docs", page) for page in ("benchmarks.md", "schedules.md")]
 BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
 
 
@@ -119,6 +119,7 @@ def packing(name: str = "bench_packing") -> str:
 
 
 def schedules() -> str:
+    """Open, batch and memory per position of a 10 x 50 schedule; megatron-core's blend index beside it."""
     record = load("bench_schedules")
     if record is None:
         return missing("bench_schedules", "python benchmarks/bench_schedules.py")
@@ -128,8 +129,13 @@ def schedules() -> str:
             return f"{1e3 * cell['median']:.2f} ({1e3 * cell['min']:.2f}–{1e3 * cell['max']:.2f})"
         return f"{1e3 * cell:.2f} (best of 3)"
 
-    rows = ["| position | open, ms | one batch of 8, ms | `source_positions`, ms | Python peak, MB |",
-            "|---|---|---|---|---|"]  # fmt: skip
+    rows = []
+    if "timed_runs" in record:
+        rows += [f"{record['stages']} stages x {record['sources']} sources; median (min–max) of "
+                 f"{record['timed_runs']} timed fresh processes per row after {record['warm_up_runs_dropped']} "
+                 "warm-up; Python peak from one more, traced, process.", ""]  # fmt: skip
+    rows += ["| position | open, ms | one batch of 8, ms | `source_positions`, ms | Python peak, MB |",
+             "|---|---|---|---|---|"]  # fmt: skip
     for position, r in record["ours"].items():
         at = position if position == "no stages" else f"{int(position):,}"
         rows.append(f"| {at} | {ms(r['open_s'])} | {ms(r['read_s'])} | {ms(r['source_positions_s'])} | "
@@ -137,12 +143,22 @@ def schedules() -> str:
     anchor = record.get("megatron_core_blend") or {}
     for size, r in anchor.items():
         if r:
-            rows.append(f"\nmegatron-core blend index over {int(size):,} samples: build {ms(r['build_s'])}, "
-                        f"load once cached {ms(r['cached_load_s'])}.")  # fmt: skip
+            rows.append(f"\nmegatron-core blend index over {int(size):,} samples: build {ms(r['build_s'])} ms, "
+                        f"load once cached {ms(r['cached_load_s'])} ms.")  # fmt: skip
     for size, seconds in (record.get("megatron_core_blend_build_s") or {}).items():
         rows.append(f"\nmegatron-core blend index over {int(size):,} samples: build {1e3 * seconds:.0f} ms "
                     "(one run; its cached load was not measured in this run).")  # fmt: skip
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows + _schedules_verdict(record)) + "\n"
+
+
+def _schedules_verdict(record: dict) -> list[str]:
+    """The targets (open < 10 ms, Python memory < 10 MB at any position) against the staged rows."""
+    staged = [r for position, r in record["ours"].items() if position != "no stages"]
+    opens = [1e3 * (r["open_s"]["median"] if isinstance(r["open_s"], dict) else r["open_s"]) for r in staged]
+    peak = max(r["python_peak_mb"] for r in staged)
+    return [f"\nStaged rows: open {min(opens):.1f}–{max(opens):.1f} ms (target < 10 ms: "
+            f"{'met' if max(opens) < 10 else 'missed'}), Python peak at most {peak:.1f} MB (target < 10 MB: "
+            f"{'met' if peak < 10 else 'missed'})."]  # fmt: skip
 
 
 def request_cpu() -> str:
