@@ -8,7 +8,10 @@ server (moto, in memory on loopback: it has no network between client and store,
 the download path is a lower bound of what a real driver NIC gives; the bytes through the driver
 and the local disk needed are what carries over).
 
-    python benchmarks/bench_object_assembly.py [--parts 40] [--part-mib 16]
+    python benchmarks/bench_object_assembly.py [--parts 40] [--part-mib 16] [--runs 3]
+
+Both merges run in turn, ``--runs`` rounds: the time is the median (min, max), the ratio the
+median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -52,14 +55,18 @@ def main() -> None:
     parser.add_argument("--parts", type=int, default=40)
     parser.add_argument("--part-mib", type=float, default=16.0)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_object_assembly.json"))
+    parser.add_argument("--runs", type=int, default=3, help="alternating rounds of both merges (median and spread)")
     parser.add_argument("--quick", action="store_true", help="smoke run (4 parts of 5 MiB); to benchmarks/out/quick")
     args = parser.parse_args()
+    if args.runs < 3 and not args.quick:
+        parser.error("--runs: a figure needs at least 3 rounds")
     if args.quick:
-        args.parts, args.part_mib = 4, 5.0
+        args.parts, args.part_mib, args.runs = 4, 5.0, 1
         args.out = os.path.join(HERE, "out", "quick", "bench_object_assembly.json")
 
     import s3fs
     from benchenv import environment, git_state, load_average
+    from provenance import summary, write_results
     from s3_servers import moto_server, upload
 
     from statefulset.shards.object_assembly import assemble
@@ -75,17 +82,23 @@ def main() -> None:
             fs.pipe_file(f"bench/parts/part-{i:06d}.bin", block[i:] + block[:i])  # distinct parts
             sources.append((f"bench/parts/part-{i:06d}.bin", size))
         total = size * args.parts
-        rows = {}
-        start = time.perf_counter()
-        done = assemble(fs, "bench/store.bin", sources, "bench/scratch")
-        rows["assembled by the store"] = {"seconds": time.perf_counter() - start,
-                                          "through_driver": done.uploaded, "local_disk": 0}  # fmt: skip
-        rows["download + upload"] = download_and_upload(fs, "bench/driver.bin", sources)
-        same = fs.cat_file("bench/store.bin") == fs.cat_file("bench/driver.bin")
-    result = {"environment": environment(), "git": git_state(), "load": load_average(), "parts": args.parts,
-              "part_bytes": size, "identical": same, "rows": rows}  # fmt: skip
-    from provenance import write_results
 
+        def by_store() -> dict[str, float]:
+            start = time.perf_counter()
+            done = assemble(fs, "bench/store.bin", sources, "bench/scratch")
+            return {"seconds": time.perf_counter() - start, "through_driver": done.uploaded, "local_disk": 0}
+
+        variants = {"assembled by the store": by_store,
+                    "download + upload": lambda: download_and_upload(fs, "bench/driver.bin", sources)}  # fmt: skip
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+        for _ in range(args.runs):  # alternating: a change in the machine's load falls on both
+            for name, fn in variants.items():
+                runs[name].append(fn())
+        same = fs.cat_file("bench/store.bin") == fs.cat_file("bench/driver.bin")
+    rows = {name: {**rs[-1], "seconds": summary([r["seconds"] for r in rs])} for name, rs in runs.items()}
+    time_ratio = summary([a["seconds"] / b["seconds"] for a, b in zip(*runs.values(), strict=True)])
+    result = {"environment": environment(), "git": git_state(), "load": load_average(), "parts": args.parts,
+              "part_bytes": size, "identical": same, "rows": rows, "store_over_download": time_ratio}  # fmt: skip
     write_results("bench_object_assembly", result, extra=("moto", "s3fs", "boto3"), path=args.out, quick=args.quick)
     print(f"{args.parts} parts of {args.part_mib:g} MiB ({total / 2**20:,.0f} MiB), moto on loopback; "
           f"outputs identical: {same}\n")  # fmt: skip
@@ -93,7 +106,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, row in rows.items():
         mib = row["through_driver"] / 2**20, row["local_disk"] / 2**20
-        print(f"| {name} | {row['seconds']:.2f} | {mib[0]:,.0f} | {mib[1]:,.0f} |")
+        print(f"| {name} | {row['seconds']['median']:.2f} | {mib[0]:,.0f} | {mib[1]:,.0f} |")
 
 
 if __name__ == "__main__":

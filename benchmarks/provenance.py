@@ -183,7 +183,7 @@ def machine_line(record: dict[str, Any]) -> str:
             f"Machine: {env.get('vcpus')} vCPU {env.get('cpu')}, {env.get('ram_gib')} GiB RAM, "
             f"Linux {env.get('kernel')}. "
             f"Python {env.get('python')}, numpy {env.get('numpy')}, torch {env.get('torch')}, "
-            f"statefulset {env.get('statefulset')}. Code: {code}; date not recorded."
+            f"statefulset {env.get('statefulset')}. Code: {code}; date not recorded{_legacy_load(record)}."
         )
     if prov is None:
         return (
@@ -198,3 +198,11 @@ def machine_line(record: dict[str, Any]) -> str:
         f"Python {v['python']}, {packages}. Code: commit `{g['commit'][:7]}`{dirty}; run {prov['date'][:10]}, "
         f"load average {prov['load_average'][0]}."
     )
+
+
+def _legacy_load(record: dict[str, Any]) -> str:
+    """The load average an older results file kept at its top level (taken at the end of its run)."""
+    load = record.get("load")
+    if isinstance(load, list | tuple) and load:
+        return f", load average {load[0]} at the end of the run"
+    return ""

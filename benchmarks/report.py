@@ -184,6 +184,50 @@ def request_cpu() -> str:
     ]) + "\n"  # fmt: skip
 
 
+def worker_start() -> str:
+    """First batch and steady rate per start method (bench_worker_start.py), medians with spread."""
+    record = load("bench_worker_start")
+    if record is None:
+        return missing("bench_worker_start", "python benchmarks/bench_worker_start.py")
+    runs = record["runs"]
+    fork = record["median"]["fork"]
+    rows = [f"Median of {len(runs['fork'])} fresh processes per method, the order rotated; the spread (min–max) "
+            "in brackets.", "",
+            "| start method | first loader: first batch | second loader: first batch | batches/s "
+            "| first batch vs fork |", "|---|---|---|---|---|"]  # fmt: skip
+    for method, m in record["median"].items():
+        first = [1e3 * r["first_batch_s"] for r in runs[method]]
+        second = [1e3 * r["second_batch_s"] for r in runs[method]]
+        label = "fork (watched)" if method == "fork" else method
+        rows.append(f"| {label} | {1e3 * m['first_batch_s']:,.0f} ms [{min(first):,.0f}–{max(first):,.0f}] | "
+                    f"{1e3 * m['second_batch_s']:,.0f} ms [{min(second):,.0f}–{max(second):,.0f}] | "
+                    f"{m['batches_per_s']:,.0f} | {m['first_batch_s'] / fork['first_batch_s']:.0f}× / "
+                    f"{m['second_batch_s'] / fork['second_batch_s']:.0f}× |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def object_assembly() -> str:
+    """Merging parts on S3: by the store against download + upload (bench_object_assembly.py)."""
+    record = load("bench_object_assembly")
+    if record is None:
+        return missing("bench_object_assembly", "python benchmarks/bench_object_assembly.py")
+    total = record["parts"] * record["part_bytes"] / 2**20
+    rows = [f"| merge ({total:,.0f} MiB, {record['parts']} parts) | s | MiB through the driver | local disk MiB |",
+            "|---|---|---|---|"]  # fmt: skip
+    for name, r in record["rows"].items():
+        t = r["seconds"]
+        cell = f"{t['median']:.2f} ({t['min']:.2f}–{t['max']:.2f})" if isinstance(t, dict) else f"{t:.2f} (one run)"
+        rows.append(f"| {name} | {cell} | {r['through_driver'] / 2**20:,.0f} | {r['local_disk'] / 2**20:,.0f} |")
+    q, same = record.get("store_over_download"), "yes" if record["identical"] else "NO"
+    if q:
+        ratio = f"{q['median']:.2f} ({q['min']:.2f}–{q['max']:.2f}) over {len(q['runs'])} alternating rounds"
+    else:
+        store, download = (r["seconds"] for r in record["rows"].values())
+        ratio = f"{store / download:.2f} (one run of each)"
+    rows += ["", f"Time of the store's merge ÷ download + upload: {ratio}; merged objects identical: {same}."]
+    return "\n".join(rows) + "\n"
+
+
 def _spread(stat: dict, scale: float = 1.0, digits: int = 0) -> str:
     low, mid, high = (f"{stat[k] * scale:,.{digits}f}" for k in ("min", "median", "max"))
     return f"{mid} [{low} .. {high}]"
@@ -256,6 +300,8 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "packing": packing,
     "schedules": schedules,
     "request_cpu": request_cpu,
+    "worker_start": worker_start,
+    "object_assembly": object_assembly,
 }
 
 

@@ -160,3 +160,12 @@ def test_earlier_results_do_not_make_a_run_dirty(tmp_path, monkeypatch):
     assert not found["dirty"] and found["dirty_files"] == ["benchmarks/results/bench_x.json", "docs/benchmarks.md"]
     (tmp_path / "statefulset.py").write_text("b\n")
     assert provenance.git()["dirty"]
+
+
+def test_an_older_results_file_shows_its_load():
+    """Files from before the stamp kept the load average at their top level; the machine line says it."""
+    env = {"vcpus": 2, "cpu": "X", "ram_gib": 1, "kernel": "k", "python": "3", "numpy": "2", "torch": "t",
+           "statefulset": "s"}  # fmt: skip
+    line = provenance.machine_line({"environment": env, "git": {"head": "abcdef0123"}, "load": [17.5, 9.0, 3.0]})
+    assert "commit `abcdef0`" in line and "load average 17.5 at the end of the run" in line
+    assert "load average" not in provenance.machine_line({"environment": env})
