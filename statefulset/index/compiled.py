@@ -210,7 +210,8 @@ def address(array: numpy.ndarray, dtype: type) -> int:
     """The data address of ``array`` for a kernel taking a raw pointer: C-contiguous and of ``dtype``, or refused."""
     if array.dtype != dtype or not array.flags.c_contiguous:
         raise StatefulsetError(f"internal: a kernel needs a C-contiguous {numpy.dtype(dtype)} array, got {array.dtype}")
-    return array.ctypes.data
+    found = writable_address(array)  # ~0.4 µs; read-only arrays (memory maps) take ~1.4 µs
+    return found if found is not None else array.ctypes.data
 
 
 def writable_address(array: numpy.ndarray) -> int | None:

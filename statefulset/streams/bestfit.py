@@ -19,7 +19,7 @@ from statefulset.index.native.keys import derive_key
 from statefulset.spec.model import DatasetSpec
 from statefulset.spec.splits import SPLITS
 from statefulset.streams.base import BlendedStream, OpenedSources
-from statefulset.streams.documents import Pieces
+from statefulset.streams.documents import Pieces, packed_pieces
 from statefulset.streams.label_masks import gather_ranges
 from statefulset.streams.overview import logs_here
 
@@ -47,11 +47,7 @@ class _BinFiller:
         gather_ranges(self.source.dataset, starts, lengths, out, masks, padded, self.pad_id)
         if not want:
             return None
-        return Pieces(
-            numpy.array(counts, dtype=numpy.int64),
-            numpy.array(lengths, dtype=numpy.int64),
-            numpy.array(used, dtype=numpy.int64),
-        )
+        return packed_pieces(counts + used + lengths, len(counts))
 
 
 class BestFitStream(BlendedStream):

@@ -17,7 +17,7 @@ from statefulset.index.megatron.gpt import build_gpt_indices, warn_if_sample_exc
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.base import EXTRA, OpenedSources, SampleStream, _fill_by_source
-from statefulset.streams.documents import Pieces
+from statefulset.streams.documents import Pieces, packed_pieces
 from statefulset.streams.label_masks import gather_ranges
 
 # Batches up to this many samples are planned on Python ints, larger gathers with numpy.
@@ -90,9 +90,8 @@ class GPTSource:
         gather_ranges(self.dataset, starts, lengths, out, masks)
         if not want:
             return None
-        counts = numpy.array([last - first + 1 for first, _, last, _ in bounds], dtype=numpy.int64)
-        width = numpy.full(counts.size, out.shape[1], dtype=numpy.int64)
-        return Pieces(counts, numpy.array(lengths, dtype=numpy.int64), width)
+        counts = [last - first + 1 for first, _, last, _ in bounds]
+        return packed_pieces(counts + [out.shape[1]] * len(counts) + lengths, len(counts))
 
     def _fill_vectorised(
         self, k: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None

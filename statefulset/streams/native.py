@@ -42,21 +42,23 @@ class _WindowFiller:
         lib = compiled.pick(native)
         if lib is not None and self._sequence_starts.flags.c_contiguous:
             rows = starts.size
-            # One block: the starts, then each row's piece count, then the pieces (at most width
-            # per row); reading an array's address costs ~1.7 µs, so the kernel gets two.
-            block = numpy.empty(rows * (width + 2), dtype=numpy.int64)
+            # One block: the starts, then each row's piece count, the rows' used tokens (width), then
+            # the pieces (at most width per row); reading an array's address costs ~1.7 µs, so the
+            # kernel gets two. Counts, used and pieces are then Pieces.packed as they are.
+            block = numpy.empty(rows * (width + 3), dtype=numpy.int64)
             block[:rows] = starts
+            block[2 * rows : 3 * rows] = width
             address = block.ctypes.data
             if self._pointers_address is None:
                 self._pointers_address = compiled.address(self._sequence_starts, numpy.int64)
             written = lib.sf_window_pieces(
                 self._pointers_address, self._sequence_starts.size, item, address, rows, width,
-                address + 8 * rows, address + 16 * rows,
+                address + 8 * rows, address + 24 * rows,
             )  # fmt: skip
             if written < 0:
                 raise StatefulsetError(f"internal: the window pieces kernel refused width {width} or starts {starts}")
-            counts = block[rows : 2 * rows]
-            return Pieces(counts, block[2 * rows : 2 * rows + written], numpy.full(rows, width, dtype=numpy.int64))
+            packed = block[rows : 3 * rows + written]
+            return Pieces(packed[:rows], packed[2 * rows :], packed[rows : 2 * rows], packed)
         first = numpy.searchsorted(self._sequence_starts, starts * item, side="right")
         stop = numpy.searchsorted(self._sequence_starts, (starts + width) * item, side="left")
         cuts = stop - first
