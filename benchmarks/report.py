@@ -228,6 +228,27 @@ def object_assembly() -> str:
     return "\n".join(rows) + "\n"
 
 
+def long_lines() -> str:
+    """One long JSON line read by ``span_chunks`` against ``readline`` (bench_long_lines.py)."""
+    record = load("bench_long_lines")
+    if record is None:
+        return missing("bench_long_lines", "python benchmarks/bench_long_lines.py")
+    rows = ["| reader | s | vs readline |", "|---|---|---|"]
+    anchor = record["rows"]["readline (anchor)"]["seconds"]
+    for name, r in record["rows"].items():
+        t = r["seconds"]
+        if isinstance(t, dict):
+            q = r["over_readline"]
+            rows.append(f"| {name} | {t['median']:.2f} ({t['min']:.2f}–{t['max']:.2f}) | "
+                        f"{q['median']:.1f}× ({q['min']:.1f}–{q['max']:.1f}) |")  # fmt: skip
+        else:
+            rows.append(f"| {name} | {t:.2f} (one run) | {t / anchor:.1f}× |")
+    if "line_mib" in record:
+        runs = len(record["rows"]["readline (anchor)"]["seconds"]["runs"])
+        rows = [f"One {record['line_mib']} MiB line; median (min–max) of {runs} alternating rounds.", "", *rows]
+    return "\n".join(rows) + "\n"
+
+
 def _spread(stat: dict, scale: float = 1.0, digits: int = 0) -> str:
     low, mid, high = (f"{stat[k] * scale:,.{digits}f}" for k in ("min", "median", "max"))
     return f"{mid} [{low} .. {high}]"
@@ -302,6 +323,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "request_cpu": request_cpu,
     "worker_start": worker_start,
     "object_assembly": object_assembly,
+    "long_lines": long_lines,
 }
 
 
