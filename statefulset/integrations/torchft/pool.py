@@ -176,6 +176,7 @@ class PlanWorkers:
         fields = dataset.fields()
         self.ring = BatchRing(self.workers, options.prefetch_factor + 1, b, fields, bundle_size(b, fields))
         self.generation = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self.generation_view = self.generation.numpy()  # written at each change: numpy's store, not torch's
         self.wrap = None if stream.unbounded or not dataset.repeat else len(stream)
         self.feed = Feed(self.ring.bundle)
         self.plan: Plan | None = None
@@ -197,7 +198,7 @@ class PlanWorkers:
         cursor = Cursor(first - self.expected * dp_size * b, 0, rank, dp_size, b)
         generation = self.plan.generation + 1 if self.plan is not None else 1
         self.plan = Plan(generation, cursor)
-        self.generation[0] = generation  # the workers drop what they build for an older plan
+        self.generation_view[0] = generation  # the workers drop what they build for an older plan
         self.source = self._source(cursor)
         self.ready.clear()
         self.feed.start(self.plan, self.expected)
