@@ -10,7 +10,7 @@ The first word after ``generated:`` names a generator below, the rest are its ar
 figure in the docs cannot drift from its run: ``tests/test_benchmarks_report.py`` fails when the
 page differs from what this script makes of ``benchmarks/results/``.
 
-    python benchmarks/report.py           # rewrite docs/benchmarks.md and docs/schedules.md
+    python benchmarks/report.py           # rewrite the pages of PAGES (benchmarks.md, schedules.md, scale.md)
     python benchmarks/report.py --check   # exit 1 if it is not current
 """
 
@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 from provenance import RESULTS, machine_line  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
-PAGES = [os.path.join(ROOT, "docs", page) for page in ("benchmarks.md", "schedules.md")]
+PAGES = [os.path.join(ROOT, "docs", page) for page in ("benchmarks.md", "schedules.md", "scale.md")]
 BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
 
 
@@ -249,6 +249,25 @@ def long_lines() -> str:
     return "\n".join(rows) + "\n"
 
 
+def scale() -> str:
+    """Opens of a 100B-token corpus by fresh processes, warm and cold page cache (bench_scale.py)."""
+    record = load("bench_scale")
+    if record is None:
+        return missing("bench_scale", "python benchmarks/bench_scale.py")
+    rows = ["| Case | wall, s | CPU, s | RSS growth, MB | peak RSS growth, MB |", "|---|---|---|---|---|"]
+    cold = any("cold page cache" in name for name in record["rows"])
+    for name, r in record["rows"].items():
+        if not cold:  # runs before the cold rows: every process ran on this host with a warm page cache
+            name = name.replace("fresh node", "fresh process, warm page cache")
+            name = name.replace("cached open, fresh process", "cached open, fresh process, warm page cache")
+        six = f" (six: {r['cpu_total_over_one']:.2f}× the CPU of one)" if "cpu_total_over_one" in r else ""
+        rows.append(f"| {name}{six} | {r['seconds']:.3f} | {r['cpu_s']:.3f} | {r['rss_growth_mb']:.0f} | "
+                    f"{r['peak_growth_mb']:.0f} |")  # fmt: skip
+    if not cold:
+        rows += ["", "No cold page cache rows: this run predates them."]
+    return "\n".join(rows) + "\n"
+
+
 def _spread(stat: dict, scale: float = 1.0, digits: int = 0) -> str:
     low, mid, high = (f"{stat[k] * scale:,.{digits}f}" for k in ("min", "median", "max"))
     return f"{mid} [{low} .. {high}]"
@@ -324,6 +343,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "worker_start": worker_start,
     "object_assembly": object_assembly,
     "long_lines": long_lines,
+    "scale": scale,
 }
 
 
