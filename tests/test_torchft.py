@@ -157,8 +157,10 @@ def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale
     change), and every row served is the dataset's row at the position the quorum places it (text
     compared), although at each change the workers held batches built for the old plan (gated: the
     change waits until they have built ahead). A change that leaves this replica its rank gets the
-    prefetched batch; the trainer builds only the first step, the changes that move it, and the
-    repeated step."""
+    prefetched batch, and so does the change 2 -> 3 that moves it from rank 0 to 2 (its new batch is
+    the old plan's next but one, which the trainer already received: the bundle of 4 taken at step
+    14); the trainer builds only the first step, the other changes that move it, and the repeated
+    step."""
     quorum = ScriptedQuorum(3, 1)
     wc = WorkerConfig(rank=1, world_size=2, num_workers=2)  # rank 1 of a replica group of 2
     ds = get_train_dataset(spec, batch_size=3, worker_config=wc)
@@ -181,7 +183,7 @@ def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale
         assert loader.worker_pids() == pids and len(pids) == 2, step
         quorum.commit(ok=step != 17)  # step 17 fails: the same rows at step 18
     assert loader.workers.discarded > 0  # the old plans' prefetch was there, and dropped
-    assert loader.built_here == 5  # steps 0, 10, 15, 18 (the repeat) and 20
+    assert loader.built_here == 4  # steps 0, 10, 18 (the repeat) and 20
     assert sorted(p.pid for p in multiprocessing.active_children()) == sorted(pids)
     del loader, batch, pool
     gc.collect()
@@ -321,6 +323,32 @@ class HoldsSample:
         if sample.sample_id == self.held:
             self.gate.wait(60)
         return sample
+
+
+def test_a_group_joining_below_a_lone_replica_gets_it_a_batch_its_workers_built(spec):
+    """A replica alone (stride 1) is joined by a group below it: its batch is now the next but one of
+    its plan, which the trainer already holds (the workers' bundles of one batch, then 2, then 4:
+    after step 4 the trainer holds three). It is served from there (the trainer builds nothing), the
+    one before it is dropped unserved, and every row is the dataset's at the position the quorum
+    places it; so are the next plan's rows."""
+    quorum = ScriptedQuorum(1, 0)
+    ds = get_train_dataset(spec, batch_size=3, worker_config=WorkerConfig(rank=0, world_size=1, num_workers=2))
+    loader = FaultTolerantLoader(ds, quorum, prefetch_factor=2)
+    served = []
+    for step in range(10):
+        if step == 5:
+            quorum.participants, quorum.rank = 2, 1
+        batch = next(loader)
+        n = loader.last.replica_batch
+        assert n == quorum.committed + quorum.rank
+        ids = batch["sample_id"].tolist()
+        assert ids == [n * 3 + j for j in range(3)]
+        assert batch["text"].tolist() == [ds[p]["text"].tolist() for p in ids], (step, n)
+        served.append(n)
+        quorum.commit()
+    assert served == [0, 1, 2, 3, 4, 6, 8, 10, 12, 14]
+    assert loader.built_here == 1  # the first step only: step 5's batch came from the workers
+    loader.close()
 
 
 def test_a_build_given_up_on_is_never_served_as_another_replica_batch(spec):

@@ -235,6 +235,12 @@ class FaultTolerantLoader:
                 self._retarget(n + stride, stride)
             self._plan = (n + stride, stride)
             return batch
+        batch = self._received(n)
+        if batch is not None:
+            if self._plan[1] != stride:  # type: ignore[index]
+                self._retarget(n + stride, stride)
+            self._plan = (n + stride, stride)
+            return batch
         # Another replica-batch than the plan guessed: built here now. The plan goes on when it still
         # holds for the next step (a failed commit: the same step again); else the workers are
         # re-targeted in place to the new plan and what they built for the old one is dropped. The
@@ -257,6 +263,18 @@ class FaultTolerantLoader:
         if not early:
             self._ask(n)
         return self._take(n)
+
+    def _received(self, n: int) -> Any | None:
+        """Replica-batch ``n`` when it is a later batch of the plan that the trainer already received
+        from the workers (the quorum moved this replica up by a multiple of the old stride: a group
+        joined below a replica that was alone, say); the plan's batches before it are dropped. None
+        when it is not there: nothing is waited for."""
+        if self._plan is None or self._workers is None:
+            return None
+        first, stride = self._plan
+        if n <= first or (n - first) % stride:
+            return None
+        return self._workers.received((n - first) // stride)
 
     def _retarget(self, first: int, stride: int) -> None:
         """The workers' plan from now on: replica-batches ``first, first+stride, ...`` (the first plan forks them)."""

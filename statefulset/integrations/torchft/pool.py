@@ -236,6 +236,15 @@ class PlanWorkers:
         stamps at or past the next batch)."""
         return int((self.ring.stamps.numpy()[:, :, 1] >= self.expected).sum())
 
+    def received(self, k: int) -> Any | None:
+        """The plan's batch ``k`` after the next one when the trainer already holds it (a bundle taken
+        from the ring, not yet handed out), the ``k`` before it dropped unserved; else None (no wait)."""
+        if k >= len(self.ready):
+            return None
+        del self.ready[len(self.ready) - k :]  # ready is last first: its end holds the next batches
+        self.expected += k
+        return self._next()
+
     def next(self) -> Any:
         """The plan's next batch: older plans' results are discarded unread."""
         try:
