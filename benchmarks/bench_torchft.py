@@ -13,7 +13,10 @@ Two figures, each over ``--repeats`` runs (median, min, max), the loaders altern
   Target: at most 2x. ``--compute-ms`` adds a training step's time between ``next()`` calls (0:
   the loop is bound by the loader, the hardest case for the workers). The refill is reported too:
   the second step after a change, the steady steps, and the extra data time of a whole stretch
-  between changes over as many steady steps (what a change costs in all).
+  between changes over as many steady steps (what a change costs in all). The 2 -> 3 change moves
+  the replica up by the old stride: its batch is often one the trainer already received from the
+  workers; the first steps whose batch was built in the trainer are reported apart
+  (``first_built_here``, ``ratio_built_here``: the cost of a change that no prefetch covers).
 
 The manager is a stand-in answering the four questions the loader asks a ``torchft.Manager``
 (``num_participants``, ``participating_rank``, ``is_participating``, ``batches_committed``) as
@@ -118,11 +121,13 @@ def change_times(spec: str, batch: int, workers: int, steps: int, every: int, co
     loader = FaultTolerantLoader(_dataset(spec, batch, workers), quorum)
     meter = CpuMeter() if cpu else None
     stretches: list[list[float]] = []
+    kinds: list[bool] = []  # per stretch: whether its first step's batch was built in the trainer
     for step in range(steps):
         if step and step % every == 0:  # 3 -> 2 -> 3 participants; the rank moves with them
             quorum.participants, quorum.rank = (2, 0) if quorum.participants == 3 else (3, 2)
         quorum.start_quorum()
         began = meter.start(loader) if meter is not None and step >= every else None
+        built = loader.built_here
         start = time.perf_counter()
         next(loader)
         took = time.perf_counter() - start
@@ -131,6 +136,7 @@ def change_times(spec: str, batch: int, workers: int, steps: int, every: int, co
         if step >= every:  # the first stretch warms up (workers start)
             if step % every == 0:
                 stretches.append([])
+                kinds.append(loader.built_here > built)
             stretches[-1].append(took)
         quorum.commit()
         if compute_ms:
@@ -148,6 +154,14 @@ def change_times(spec: str, batch: int, workers: int, steps: int, every: int, co
         "steady": steady,
         "extra_per_change": statistics.fmean(sum(s) - len(s) * steady for s in stretches if len(s) == every),
     }
+    # The 2 -> 3 change moves this replica from rank 0 to 2: its batch is then the old plan's next but
+    # one, served from the workers' batches when the trainer already holds it (in most bundles), else
+    # built in the trainer, as every 3 -> 2 change's is. Each kind's median, and the share built here.
+    for key, pick in (("first_built_here", True), ("first_from_workers", False)):
+        picked = [f for f, k in zip(first, kinds, strict=True) if k is pick]
+        if picked:
+            times[key] = statistics.median(picked)
+    times["share_built_here"] = sum(kinds) / len(kinds)
     return times if meter is None else {**times, "cpu": meter.summary()}
 
 
@@ -189,6 +203,8 @@ def main() -> None:
         for key, value in times.items():
             changes.setdefault(key, []).append(value)
         changes["ratio"].append(times["first_after_change"] / times["normal"])
+        if "first_built_here" in times:
+            changes.setdefault("ratio_built_here", []).append(times["first_built_here"] / times["normal"])
     ratios = [f / p for f, p in zip(runs["fault_tolerant"], runs["plain"], strict=True)]
     result = {
         "environment": environment(),
@@ -217,6 +233,12 @@ def main() -> None:
         f"  first batch after a change: {ch['first_after_change']['median'] * 1e3:.2f} ms against "
         f"{ch['normal']['median'] * 1e3:.2f} ms, ratio {ch['ratio']['median']:.2f} (target <= 2)"
     )
+    if "ratio_built_here" in ch:
+        print(
+            f"  of which built in the trainer ({ch['share_built_here']['median']:.0%} of changes): "
+            f"{ch['first_built_here']['median'] * 1e3:.2f} ms, ratio {ch['ratio_built_here']['median']:.2f}; "
+            f"from the workers' batches: {ch.get('first_from_workers', {}).get('median', float('nan')) * 1e3:.2f} ms"
+        )
     print(
         f"  the refill: second step after a change {ch['second_after_change']['median'] * 1e3:.2f} ms, steady steps "
         f"{ch['steady']['median'] * 1e3:.2f} ms; a change costs {ch['extra_per_change']['median'] * 1e3:.2f} ms "

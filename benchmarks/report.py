@@ -315,8 +315,25 @@ def torchft() -> str:
         f"| data time of a normal step (ms) | {_spread(change['normal'], 1000, 2)} | |",
         f"| data time of the first step after a change (ms) | {_spread(change['first_after_change'], 1000, 2)} | |",
         f"| ratio, first step after a change | {_spread(change['ratio'], 1, change_digits)} | <= 2 ({first}) |",
+        *_torchft_built_here(change),
         *_torchft_refill(change),
     ]) + "\n"  # fmt: skip
+
+
+def _torchft_built_here(change: dict) -> list[str]:
+    """The changes whose batch the trainer built (no prefetch had it), apart (results from before have none)."""
+    if "ratio_built_here" not in change:
+        return []
+    met = "met" if change["ratio_built_here"]["median"] <= 2 else "not met"
+    rows = [
+        f"| share of changes built in the trainer | {_spread(change['share_built_here'], 1, 2)} | |",
+        f"| first step after a change, built in the trainer (ms) | {_spread(change['first_built_here'], 1000, 2)} | |",
+        f"| ratio, first step built in the trainer | {_spread(change['ratio_built_here'], 1, 2)} | <= 2 ({met}) |",
+    ]
+    if "first_from_workers" in change:
+        rows.insert(2, f"| first step after a change, from the workers' batches (ms) | "
+                       f"{_spread(change['first_from_workers'], 1000, 2)} | |")  # fmt: skip
+    return rows
 
 
 def _torchft_refill(change: dict) -> list[str]:
