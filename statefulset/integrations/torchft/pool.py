@@ -115,12 +115,20 @@ class Builds(Dataset):
     def __init__(self, source: BatchSource, generation: torch.Tensor, trainer: int | None) -> None:
         self.source = source
         self.generation = generation  # shared: the current plan's generation
+        self.view: Any = None  # the worker's numpy view of it, made there (a tensor index costs ~5 us a batch)
         self.trainer = trainer  # the forking trainer's pid (None: not forked)
         self.requests = 0
         self.checked = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "view": None}  # spawn/forkserver: the tensor travels shared, the view is remade
+
     def current(self) -> int:
-        return int(self.generation[0])
+        """The current plan's generation, read before each batch."""
+        view = self.view
+        if view is None:
+            view = self.view = self.generation.numpy()
+        return int(view[0])
 
     def __getitem__(self, request: tuple[int, int, int, int, int]) -> tuple[int, Any]:
         generation, base, dp_size, first, count = request
