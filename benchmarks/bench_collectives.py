@@ -98,6 +98,27 @@ def bytes_moved(world: int, slot: int) -> dict[str, float]:
     }
 
 
+def markdown(record: dict) -> str:
+    """The two tables: median ms per call at each measured size, then the bytes each collective moves."""
+    rows = {int(world): r for world, r in record["rows"].items()}
+    lines = [f"Median of {record['calls']} calls per size, one run.", "",
+             "| DP ranks | ours: save, ms | ours: restore, ms | objects: save, ms | objects: restore, ms |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for world, r in rows.items():
+        lines.append(f"| {world} | {r['ours_save'] * 1e3:.2f} | {r['ours_restore'] * 1e3:.2f} | "
+                     f"{r['objects_save'] * 1e3:.2f} | {r['objects_restore'] * 1e3:.2f} |")  # fmt: skip
+    slot = next(iter(rows.values()))["slot"]
+    lines += ["", "| DP ranks | ours: bytes at the root / per other rank / in all | objects: per rank / in all |",
+              "|---|---|---|"]  # fmt: skip
+    for world in [*rows, 1024, 16384]:
+        b = bytes_moved(world, slot)
+        lines.append(
+            f"| {world:,} | {b['ours_save_root']:,.0f} / {b['ours_restore_each']:,.0f} / "
+            f"{b['ours_total']:,.0f} | {b['objects_restore_each']:,.0f} / {b['objects_total']:,.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
@@ -113,22 +134,7 @@ def main() -> None:
             mp.spawn(_worker, args=(world, _port(), args.calls, out), nprocs=world, join=True)
             with open(out) as f:
                 rows[world] = json.load(f)
-    print("| DP ranks | ours: save, ms | ours: restore, ms | objects: save, ms | objects: restore, ms |")
-    print("|---|---|---|---|---|")
-    for world, r in rows.items():
-        print(
-            f"| {world} | {r['ours_save'] * 1e3:.2f} | {r['ours_restore'] * 1e3:.2f} | "
-            f"{r['objects_save'] * 1e3:.2f} | {r['objects_restore'] * 1e3:.2f} |"
-        )
-    slot = next(iter(rows.values()))["slot"]
-    print("\n| DP ranks | ours: bytes at the root / per other rank / in all | objects: per rank / in all |")
-    print("|---|---|---|")
-    for world in [*args.worlds, 1024, 16384]:
-        b = bytes_moved(world, slot)
-        print(
-            f"| {world:,} | {b['ours_save_root']:,.0f} / {b['ours_restore_each']:,.0f} / {b['ours_total']:,.0f} | "
-            f"{b['objects_restore_each']:,.0f} / {b['objects_total']:,.0f} |"
-        )
+    print(markdown({"rows": rows, "calls": args.calls}))
     from provenance import write_results
 
     write_results("bench_collectives", {"rows": rows, "calls": args.calls}, quick=args.quick)

@@ -70,6 +70,7 @@ from corpus import OUT_DIR, add_docs_argument
 from plots import add_plot_argument, apply_quick, publish_result
 
 SEQ_LENGTH = 2048
+DEFAULT_SECONDS = 8.0  # timed iteration per throughput process
 SEED = 1234
 SPLIT = "100,0,0"
 BATCH = 8
@@ -534,14 +535,36 @@ def _fmt_s(s: dict[str, float]) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
-    s = result["summary"]
-    early, late = result["positions"]
-    lines = [
+    head = (
         f"**Results** (`{result['command']}`). {environment_markdown(result['environment'])} "
         f"Code: statefulset at commit `{result['git']['head'][:7]}`"
         + (f" (uncommitted changes in the library: {result['git']['dirty']!r})." if result["git"]["dirty"] else ".")
-        + f" Load average during the runs: {result['load_min']:.1f}–{result['load_max']:.1f}.",
-        "",
+        + f" Load average during the runs: {result['load_min']:.1f}–{result['load_max']:.1f}."
+    )
+    return head + "\n\n" + tables(result)
+
+
+def tables(result: dict[str, Any]) -> str:
+    """The tables of a run, also from a committed results file (which may lack the run's settings).
+
+    Files written before the settings were kept (``benchmarks/results/bench_loader.json``) give the
+    positions through their keys, the sequence length through tokens/s ÷ batches/s, and no length of
+    the throughput processes unless the command line set one.
+    """
+    s = result["summary"]
+    saved = [int(n) for n in s["resume"]["ours_native/w0"] if n.isdigit() and n != "0"]
+    early, late = result.get("positions") or sorted(saved)
+    first = s["throughput"]["ours_native/w0"]
+    tokens_per_batch = first["tokens_per_s"]["median"] / first["batches_per_s"]
+    seq_length = result.get("seq_length") or round(tokens_per_batch / BATCH)
+    result = {**result, "seq_length": seq_length}
+    if "seconds" in result:
+        seconds = f"of {result['seconds']:.0f} s each"
+    elif "--seconds" not in result.get("command", ""):
+        seconds = f"of {DEFAULT_SECONDS:.0f} s each (the script's default; the results file does not record it)"
+    else:
+        seconds = "(their length is not in the results file)"
+    lines = [
         f"Restore + first batch, seconds after imports, median (min–max) of "
         f"{s['resume']['ours_native/w0'][str(late)]['runs']} fresh processes. "
         f"`vs ours` is this loader's time ÷ ours at the same position and worker count (above 1× = ours is faster).",
@@ -631,7 +654,7 @@ def report(result: dict[str, Any]) -> str:
         f"{ENERGON['torch_save']} | {ENERGON['pickle']} | — | ≈{energon_ratio:.0f}× |",
         "",
         f"Throughput (tokens/s = batches/s × {BATCH} × {result['seq_length']}), median (min–max) of "
-        f"{s['throughput']['ours_native/w0']['runs']} fresh processes of {result['seconds']:.0f} s each, and the "
+        f"{s['throughput']['ours_native/w0']['runs']} fresh processes {seconds}, and the "
         "latency of one `save_state_rank()` (torchdata: `state_dict()`; Megatron-Energon, cited: "
         f"{ENERGON['save_latency']} with 2 workers), median of {LATENCY_CALLS:,} calls per process:",
         "",
@@ -668,7 +691,7 @@ def main() -> None:
     add_docs_argument(parser)
     parser.add_argument("--repeats", type=int, default=5, help="fresh processes per resume measurement")
     parser.add_argument("--repeats-throughput", type=int, default=3, help="fresh processes per throughput row")
-    parser.add_argument("--seconds", type=float, default=8.0, help="timed iteration per throughput process")
+    parser.add_argument("--seconds", type=float, default=DEFAULT_SECONDS, help="timed iteration per throughput process")
     parser.add_argument("--early", type=int, default=EARLY, help=f"early position in batches (default {EARLY})")
     parser.add_argument("--late", type=int, default=LATE, help=f"late position in batches (default {LATE:,})")
     parser.add_argument("--seq-length", type=int, default=SEQ_LENGTH)

@@ -966,6 +966,16 @@ def _markdown_batch(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def part_markdown(result: dict[str, Any], part: str) -> str:
+    """The tables of one part (build, native, firstuse, batch) without their heading (report.py's blocks)."""
+    make = {"build": _markdown_build, "native": _markdown_native, "firstuse": _markdown_firstuse,
+            "batch": _markdown_batch}[part]  # fmt: skip
+    lines = make(result)
+    while lines and (not lines[0] or lines[0].startswith("#")):
+        lines = lines[1:]
+    return "\n".join(lines)
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         "### Sample streams: index build, open and batch assembly",

@@ -292,7 +292,7 @@ def _summarise(runs: dict[str, list[dict[str, Any]]], docs: int, tokens: int) ->
     return rows
 
 
-def _row(label: str, row: dict[str, Any], same_text: str, *, versus: bool = True) -> str:
+def table_row(label: str, row: dict[str, Any], same_text: str, *, versus: bool = True) -> str:
     s = row["seconds"]
     rss = row["extra_peak_rss_mib"]
     cells = [
@@ -330,9 +330,9 @@ def _markdown(summary: dict[str, Any], identical: dict[str, list[bool]], result:
             same_text = "(reference)"
         else:
             same_text = f"{'yes' if all(same) else '**NO**'} ({sum(same)}/{len(same)} runs, `.bin` and `.idx`)"
-        lines.append(_row(LABELS[name], summary[name], same_text))
+        lines.append(table_row(LABELS[name], summary[name], same_text))
     lines += ["", "Floors on the same data in the same rounds (not writers: no `.idx`):", "", header, lines[3]]
-    lines += [_row(LABELS[name], summary[name], "n/a") for name in FLOORS]
+    lines += [table_row(LABELS[name], summary[name], "n/a") for name in FLOORS]
     lines += [
         "",
         f"Corpus generation in each child (not timed): median {result['generate_s_median']:.2f} s. "

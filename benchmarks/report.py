@@ -17,7 +17,6 @@ page differs from what this script makes of ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -26,23 +25,13 @@ from collections.abc import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from provenance import RESULTS, machine_line  # noqa: E402
+import report_tables  # noqa: E402
+from provenance import machine_line  # noqa: E402
+from report_tables import load, missing  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 PAGES = [os.path.join(ROOT, "docs", page) for page in ("benchmarks.md", "schedules.md", "scale.md")]
 BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
-
-
-def load(name: str) -> dict | None:
-    path = os.path.join(RESULTS, f"{name}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def missing(name: str, command: str) -> str:
-    return f"Not recorded: `benchmarks/results/{name}.json` does not exist yet; to measure, run `{command}`.\n"
 
 
 def machine(name: str) -> str:
@@ -361,6 +350,13 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "object_assembly": object_assembly,
     "long_lines": long_lines,
     "scale": scale,
+    "write": report_tables.write,
+    "read": report_tables.read,
+    "preprocess": report_tables.preprocess,
+    "loader": report_tables.loader,
+    "stream": report_tables.stream,
+    "worker_pool": report_tables.worker_pool,
+    "collectives": report_tables.collectives,
 }
 
 

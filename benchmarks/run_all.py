@@ -82,7 +82,7 @@ SCRIPTS: dict[str, list[str]] = {
 # Modules that are not benchmarks: helpers, anchors run by a benchmark in another environment.
 NOT_SCRIPTS = {
     "anchor_datatrove_tokenize.py", "anchor_olmo_packing.py", "benchenv.py", "corpus.py", "jsonl_corpus.py",
-    "plots.py", "provenance.py", "report.py", "run_all.py", "campaign.py",
+    "plots.py", "provenance.py", "report.py", "report_tables.py", "run_all.py", "campaign.py",
 }  # fmt: skip
 
 

@@ -1,0 +1,161 @@
+"""Generators of ``report.py`` for the tables that were written by hand (issue 26): write, read,
+preprocess, loader, stream, worker_pool, collectives.
+
+Each makes its table from the committed ``benchmarks/results/<name>.json`` alone. Where an older file
+lacks a figure the table used to show, the cell says so ("not in the results file") instead of
+repeating the old figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from provenance import RESULTS  # noqa: E402
+
+NOT_IN_FILE = "not in the results file"
+
+
+def load(name: str) -> dict | None:
+    path = os.path.join(RESULTS, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def missing(name: str, command: str) -> str:
+    return f"Not recorded: `benchmarks/results/{name}.json` does not exist yet; to measure, run `{command}`.\n"
+
+
+def _mmm(stat: dict, scale: float = 1.0, digits: int = 2) -> str:
+    return f"{stat['median'] * scale:,.{digits}f} ({stat['min'] * scale:,.{digits}f}–{stat['max'] * scale:,.{digits}f})"
+
+
+def write() -> str:
+    """Writing 1M documents: statefulset's writers against megatron-core's builder (bench_write.py)."""
+    record = load("bench_write")
+    if record is None:
+        return missing("bench_write", "python benchmarks/bench_write.py")
+    from bench_write import FLOORS, LABELS, table_row
+
+    s = record["summary"]
+    runs = len(s["megatron"]["paired_speedups_vs_megatron"])
+    same = s.get("byte_identical") or {}
+    header = ("| Variant | Time, s | adds / close, s | CPU user / sys, s | docs/s | tokens/s | vs megatron "
+              "| vs megatron + fsync | Extra peak RSS | Byte-identical to megatron |")  # fmt: skip
+    rows = [f"`{record.get('command', 'python benchmarks/bench_write.py')}`: median (min–max) of {runs} runs per "
+            "variant, one fresh process each. Ratios: of the medians (range of the per-round ratios).", "",
+            header, "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in ("megatron", "megatron_fsync", "ours_vectorised", "ours_loop"):
+        if name.startswith("megatron"):
+            text = "(reference)"
+        elif name in same:
+            text = f"{'yes' if all(same[name]) else '**NO**'} ({sum(same[name])}/{len(same[name])} runs)"
+        else:
+            text = NOT_IN_FILE
+        rows.append(table_row(LABELS[name], s[name], text))
+    rows += ["", "Floors on the same data in the same rounds (not writers: no `.idx`):", "", header, rows[3]]
+    rows += [table_row(LABELS[name], s[name], "n/a") for name in FLOORS]
+    return "\n".join(rows) + "\n"
+
+
+def read() -> str:
+    """Random sequence reads: statefulset's IndexedDataset against megatron-core's (bench_read.py)."""
+    record = load("bench_read")
+    if record is None:
+        return missing("bench_read", "python benchmarks/bench_read.py")
+    from bench_read import LABELS, READERS
+
+    s = record["summary"]
+    rows = [f"`{record.get('command', 'python benchmarks/bench_read.py')}`: "
+            f"{len(s['ours']['paired_speedups_vs_megatron'])} passes per reader. Throughput: median (best) "
+            "over passes; ratio: of the medians (range of the per-pass ratios); latency: every timed read, pooled.",
+            "", "| Reader | sequences/s | tokens/s | vs megatron | p50 / p99 latency | first full pass | open |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in READERS:
+        r, lat = s[name], s[name]["latency_us"]
+        paired = r["paired_speedups_vs_megatron"]
+        rows.append(f"| {LABELS[name]} | {r['sequences_per_s']:,.0f} ({r['sequences_per_s_best']:,.0f}) "
+                    f"| {r['tokens_per_s'] / 1e6:,.0f}M | **{r['speedup_vs_megatron']:.2f}×** "
+                    f"({min(paired):.2f}–{max(paired):.2f}) | {lat['p50']:.1f} µs / {lat['p99']:.1f} µs "
+                    f"| {r['first_full_pass_s']:.2f} s | {r['open_s'] * 1e3:.1f} ms |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def preprocess() -> str:
+    """JSON lines to bin/idx against Megatron-LM's preprocess_data.py loop (bench_preprocess.py)."""
+    record = load("bench_preprocess")
+    if record is None:
+        return missing("bench_preprocess", "python benchmarks/bench_preprocess.py")
+    rows = ["Best run of each configuration (the script's headline), then the median (min–max) of its runs.", "",
+            "| Tokenizer | Workers | Anchor, s: best; median (min–max) | Anchor docs/s | Ours, s: best; median "
+            "(min–max) | Ours docs/s | Ours tokens/s | Ours / anchor | Ours, 1 thread: docs/s (ratio) "
+            "| Byte-identical `.bin` + `.idx` |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in record["summary"]:
+        a, o, same = r["anchor"], r["ours"], r["byte_identical"]
+        serial = f"{r['ours_serial']['docs_per_s']:,.0f} ({r['ratio_serial']:.2f}×)" if "ours_serial" in r else "="
+        rows.append(f"| {r['tokenizer']} | {r['workers']} | {a['best_s']:.1f}; {_mmm(a['seconds'], digits=1)} "
+                    f"| {a['docs_per_s']:,.0f} | {o['best_s']:.1f}; {_mmm(o['seconds'], digits=1)} "
+                    f"| {o['docs_per_s']:,.0f} | {o['tokens_per_s'] / 1e6:,.2f}M "
+                    f"| **{r['ratio']:.2f}×**{'' if r['target_met'] else ' (below target)'} | {serial} "
+                    f"| {'yes' if all(same) else '**NO**'} ({sum(same)}/{len(same)} runs) |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def loader() -> str:
+    """Resume, state size and throughput against torchdata's StatefulDataLoader (bench_loader.py)."""
+    record = load("bench_loader")
+    if record is None:
+        return missing("bench_loader", "python benchmarks/bench_loader.py")
+    from bench_loader import tables
+
+    return tables(record)
+
+
+def stream(part: str) -> str:
+    """One part (build, native, firstuse, batch) of bench_stream.py's tables."""
+    record = load("bench_stream")
+    if record is None:
+        return missing("bench_stream", "python benchmarks/bench_stream.py")
+    from bench_stream import part_markdown
+
+    return part_markdown({**record, **record["summary"]}, part) + "\n"
+
+
+def worker_pool() -> str:
+    """preprocess --workers 2 with our pool, loky and one process (bench_worker_pool.py)."""
+    record = load("bench_worker_pool")
+    if record is None:
+        return missing("bench_worker_pool", "python benchmarks/bench_worker_pool.py")
+    executors = list(dict.fromkeys(r["executor"] for r in record["rows"]))
+    load_after = record.get("load_average_after") or (record.get("provenance") or {}).get("load_average")
+    rows = [f"Median [min .. max] of {record['runs']} interleaved runs, seconds, {record['workers']} workers"
+            + (f"; load average {load_after[0]} after the run." if load_after else "."), "",
+            "| input | " + " | ".join(e.replace("statefulset pool", "our pool") for e in executors) + " |",
+            "|---|" + "---|" * len(executors)]  # fmt: skip
+    for scale in dict.fromkeys(r["scale"] for r in record["rows"]):
+        cells = {r["executor"]: r for r in record["rows"] if r["scale"] == scale}
+        mib = next(iter(cells.values()))["input_mib_on_disk"]
+        rows.append(f"| {mib:.1f} MiB on disk | " + " | ".join(
+            f"{_sig(cells[e]['median'])} [{_sig(cells[e]['min'])} .. {_sig(cells[e]['max'])}]" for e in executors)
+            + " |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def _sig(x: float) -> str:
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def collectives() -> str:
+    """save_state_global / restore_state_global against the object collectives (bench_collectives.py)."""
+    record = load("bench_collectives")
+    if record is None:
+        return missing("bench_collectives", "python benchmarks/bench_collectives.py")
+    from bench_collectives import markdown
+
+    return markdown(record) + "\n"
