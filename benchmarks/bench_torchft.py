@@ -14,7 +14,7 @@ Two figures, each over ``--repeats`` runs (median, min, max), the loaders altern
   the loop is bound by the loader, the hardest case for the workers). The refill is reported too:
   the second step after a change, the steady steps, and the extra data time of a whole stretch
   between changes over as many steady steps (what a change costs in all). The 2 -> 3 change moves
-  the replica up by the old stride: its batch is often one the trainer already received from the
+  the replica up by the old stride: its batch can be one the trainer already received from the
   workers; the first steps whose batch was built in the trainer are reported apart
   (``first_built_here``, ``ratio_built_here``: the cost of a change that no prefetch covers).
 
@@ -155,8 +155,10 @@ def change_times(spec: str, batch: int, workers: int, steps: int, every: int, co
         "extra_per_change": statistics.fmean(sum(s) - len(s) * steady for s in stretches if len(s) == every),
     }
     # The 2 -> 3 change moves this replica from rank 0 to 2: its batch is then the old plan's next but
-    # one, served from the workers' batches when the trainer already holds it (in most bundles), else
-    # built in the trainer, as every 3 -> 2 change's is. Each kind's median, and the share built here.
+    # one, served from the workers' batches when the trainer already holds it, else built in the
+    # trainer, as every 3 -> 2 change's is (at the default sizes the new plan's bundles, 1, 2, 4 and
+    # then 7 batches, end exactly at the next change: none is served so). Each kind's median, and
+    # the share built here.
     for key, pick in (("first_built_here", True), ("first_from_workers", False)):
         picked = [f for f, k in zip(first, kinds, strict=True) if k is pick]
         if picked:
