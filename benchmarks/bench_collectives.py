@@ -9,9 +9,10 @@ For W = 2, 4, 8, 16 gloo ranks on this machine (one process each), side by side 
   payload size) and ``broadcast_object_list`` of the whole list (every rank receives every
   state), what the loader used before.
 
-Median wall time per call over ``--calls`` calls (rank 0's clock), and bytes received per rank
-and in all, counted from what each collective moves. Then the same byte counts at 16,384 ranks
-(arithmetic, not measured). Run: ``python benchmarks/bench_collectives.py``.
+Median wall time per call over ``--calls`` calls (rank 0's clock), median (min–max) over ``--rounds``
+rounds of fresh process groups, and bytes received per rank and in all, counted from what each
+collective moves. Then the same byte counts at 16,384 ranks (arithmetic, not measured).
+Run: ``python benchmarks/bench_collectives.py``.
 """
 
 from __future__ import annotations
@@ -98,15 +99,36 @@ def bytes_moved(world: int, slot: int) -> dict[str, float]:
     }
 
 
+def _spread(runs: list[dict]) -> dict:
+    """Per collective: median, min and max over the rounds of each round's median call."""
+    keys = ("ours_save", "ours_restore", "objects_save", "objects_restore")
+    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
+                "max": max(r[k] for r in runs), "runs": [r[k] for r in runs]} for k in keys} | {
+        "slot": runs[0]["slot"]}  # fmt: skip
+
+
+def _ms(cell: float | dict) -> str:
+    if isinstance(cell, dict):
+        return f"{cell['median'] * 1e3:.2f} ({cell['min'] * 1e3:.2f}–{cell['max'] * 1e3:.2f})"
+    return f"{cell * 1e3:.2f}"
+
+
 def markdown(record: dict) -> str:
     """The two tables: median ms per call at each measured size, then the bytes each collective moves."""
     rows = {int(world): r for world, r in record["rows"].items()}
-    lines = [f"Median of {record['calls']} calls per size, one run.", "",
+    if "rounds" in record:
+        how = (
+            f"Median (min–max) over {record['rounds']} rounds of fresh process groups, the sizes rotated, "
+            f"of each round's median of {record['calls']} calls; the four collectives alternate in every call."
+        )
+    else:
+        how = f"Median of {record['calls']} calls per size, one run (this results file predates the rounds)."
+    lines = [how, "",
              "| DP ranks | ours: save, ms | ours: restore, ms | objects: save, ms | objects: restore, ms |",
              "|---|---|---|---|---|"]  # fmt: skip
     for world, r in rows.items():
-        lines.append(f"| {world} | {r['ours_save'] * 1e3:.2f} | {r['ours_restore'] * 1e3:.2f} | "
-                     f"{r['objects_save'] * 1e3:.2f} | {r['objects_restore'] * 1e3:.2f} |")  # fmt: skip
+        cells = (_ms(r[k]) for k in ("ours_save", "ours_restore", "objects_save", "objects_restore"))
+        lines.append(f"| {world} | " + " | ".join(cells) + " |")
     slot = next(iter(rows.values()))["slot"]
     lines += ["", "| DP ranks | ours: bytes at the root / per other rank / in all | objects: per rank / in all |",
               "|---|---|---|"]  # fmt: skip
@@ -123,21 +145,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--quick", action="store_true", help="2 and 4 ranks, 5 calls")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh process groups per size, sizes rotated")
+    parser.add_argument("--quick", action="store_true", help="2 and 4 ranks, 5 calls, 1 round")
     args = parser.parse_args()
     if args.quick:
-        args.worlds, args.calls = [2, 4], 5
-    rows = {}
+        args.worlds, args.calls, args.rounds = [2, 4], 5, 1
+    medians: dict[int, list[dict]] = {world: [] for world in args.worlds}
     with tempfile.TemporaryDirectory() as folder:
-        for world in args.worlds:
-            out = os.path.join(folder, f"{world}.json")
-            mp.spawn(_worker, args=(world, _port(), args.calls, out), nprocs=world, join=True)
-            with open(out) as f:
-                rows[world] = json.load(f)
-    print(markdown({"rows": rows, "calls": args.calls}))
+        for round_ in range(args.rounds):
+            k = round_ % len(args.worlds)
+            for world in args.worlds[k:] + args.worlds[:k]:
+                out = os.path.join(folder, f"{world}.json")
+                mp.spawn(_worker, args=(world, _port(), args.calls, out), nprocs=world, join=True)
+                with open(out) as f:
+                    medians[world].append(json.load(f))
+    rows = {world: _spread(runs) for world, runs in medians.items()}
+    record = {"rows": rows, "calls": args.calls, "rounds": args.rounds}
+    print(markdown(record))
     from provenance import write_results
 
-    write_results("bench_collectives", {"rows": rows, "calls": args.calls}, quick=args.quick)
+    write_results("bench_collectives", record, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ The first word after ``generated:`` names a generator below, the rest are its ar
 figure in the docs cannot drift from its run: ``tests/test_benchmarks_report.py`` fails when the
 page differs from what this script makes of ``benchmarks/results/``.
 
-    python benchmarks/report.py           # rewrite the pages of PAGES (benchmarks.md, schedules.md, scale.md)
+    python benchmarks/report.py           # rewrite the pages of PAGES (benchmarks.md, schedules.md, scale.md,
+                                          # preprocessing.md)
     python benchmarks/report.py --check   # exit 1 if it is not current
 """
 
@@ -30,7 +31,7 @@ from provenance import machine_line  # noqa: E402
 from report_tables import load, missing  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
-PAGES = [os.path.join(ROOT, "docs", page) for page in ("benchmarks.md", "schedules.md", "scale.md")]
+PAGES = [os.path.join(ROOT, "docs", page) for page in ("benchmarks.md", "schedules.md", "scale.md", "preprocessing.md")]
 BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
 
 
