@@ -19,12 +19,17 @@ versions, instead of an ``AttributeError`` deep in a wait, or a silent change of
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
 
 from statefulset.errors import StatefulsetError
 
+_log = logging.getLogger(__name__)
+TERM_GRACE_SECONDS = 2.0  # after torch's shutdown: how long terminated workers get to end before SIGKILL
+KILL_WAIT_SECONDS = 5.0  # how long a SIGKILLed worker may take to be reaped
 TESTED = "torch 2.4.1 and 2.13.0"  # the floor (pyproject.toml) and what CI runs
 ITERATOR_ATTRIBUTES = ("_timeout", "_workers", "_worker_pids_set", "_shutdown_workers", "_try_put_index")
 
@@ -74,4 +79,28 @@ def stop_workers(iterator: Any, kill: list[int]) -> None:
         if w < len(workers) and workers[w].is_alive():
             workers[w].kill()  # not SIGTERM: the child may have inherited a handler it never runs
             workers[w].join(timeout=5)
-    iterator._shutdown_workers()  # the started ones leave on their done event
+    iterator._shutdown_workers()  # the started ones leave on their done event; torch SIGTERMs the rest
+    _end_survivors(workers)
+
+
+def _end_survivors(workers: list[Any]) -> None:
+    """Wait (bounded) for every worker to end; SIGKILL the ones that still run and reap them.
+
+    torch's shutdown joins each worker for a few seconds, SIGTERMs those still alive and moves on
+    without waiting: a worker that cannot act on SIGTERM (stopped, or blocked where its inherited
+    handler never runs) would outlive its loader. A full CI run left such a worker waiting on a
+    futex after the torchft pool closed.
+    """
+    deadline = time.monotonic() + TERM_GRACE_SECONDS
+    for w in workers:
+        w.join(timeout=max(deadline - time.monotonic(), 0.0))
+    for w in workers:
+        if w.is_alive():
+            _log.warning("DataLoader worker (pid %s) did not end on torch's shutdown or SIGTERM: killing it", w.pid)
+            w.kill()
+            w.join(timeout=KILL_WAIT_SECONDS)
+            if w.is_alive():
+                _log.warning(
+                    "DataLoader worker (pid %s) still runs %.0f s after SIGKILL (uninterruptible I/O?)",
+                    w.pid, KILL_WAIT_SECONDS,
+                )  # fmt: skip
