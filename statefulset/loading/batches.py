@@ -133,8 +133,8 @@ class BatchSource(IterableDataset):
         if not self.encoder.collates:
             return self.encoder.micro_batch(fields, positions, sources, keep=False)
         views = {name: list(values) for name, values in fields.items()}  # each row's view, made at once
-        samples = self.encoder.encoded_samples(views, positions, sources)
-        found = staged(samples, ring.fields, positions, numpy.iinfo(ring.dtype), fields, views)
+        samples, kept = self.encoder.encode_rows(views, positions, sources)
+        found = staged(samples, ring.fields, positions, ring.limits, fields, views, kept)
         return found if found is not None else self.encoder.batched(samples, int(positions[0]))
 
     def _serve_encoded(self, ring: BatchRing, worker: int, workers: int) -> Iterator[tuple[Any, ...]]:

@@ -58,16 +58,22 @@ def staged(
     limits: Any,
     rows: dict[str, numpy.ndarray] | None = None,
     views: dict[str, list[numpy.ndarray]] | None = None,
+    kept: bool = False,
 ) -> Staged | None:
     """The samples staged for the ring (see the module's docstring), or None when they do not qualify.
 
     ``rows``/``views``: the micro-batch's fields and the row views the samples were made from
     (:meth:`BatchSource.encoded`). A field whose every sample still holds its own row view (an
     identity, or a change made in place) is staged as ``rows``' array itself, without a copy.
+    ``kept``: every sample is the TokenSample made from ``views`` and ``positions``, holding those
+    very objects and nothing else (``TaskEncoderRunner.encode_rows``): then only ``rows`` is checked,
+    once per micro-batch, not each sample.
     """
     names = _names(fields)
     if names is None:
         return None
+    if kept and rows is not None:
+        return _kept(rows, fields, names, positions, limits)
     wanted = set(names) | {"text", "sample_id", "source"}
     absent = [n for n in DATASET_FIELDS if n not in wanted]  # the dataset fields the ring does not carry
     held = []
@@ -97,10 +103,37 @@ def staged(
         if array is None:
             return None
         arrays[f.name] = array
-    text = arrays["text"]
-    if text.size and (int(text.min()) < limits.min or int(text.max()) > limits.max):
-        return None
-    return Staged(arrays, positions)
+    return Staged(arrays, positions) if _fits(arrays["text"], limits) else None
+
+
+def _kept(
+    rows: dict[str, numpy.ndarray],
+    fields: list[FieldSpec],
+    names: tuple[str, ...],
+    positions: numpy.ndarray,
+    limits: Any,
+) -> Staged | None:
+    """:func:`staged` of kept samples: ``rows`` itself, when it holds exactly the ring's fields, of
+    their row shapes and dtypes (``text`` int64), the tokens (changed in place or not) within its dtype."""
+    if len(rows) != len(names) or any(name not in rows for name in names):
+        return None  # a field the ring does not carry, or one it carries that the samples lack
+    for f in fields:
+        array = rows[f.name]
+        if type(array) is not numpy.ndarray or array.dtype != (_INT64 if f.name == "text" else f.dtype):
+            return None
+        if array.shape != (positions.size, *f.shape):
+            return None
+    return Staged({f.name: rows[f.name] for f in fields}, positions) if _fits(rows["text"], limits) else None
+
+
+def _fits(text: numpy.ndarray, limits: Any) -> bool:
+    """Whether int64 tokens lie within ``limits`` (a numpy.iinfo): one pass for an unsigned dtype,
+    as a negative token read as uint64 lies above any such limit; else min and max."""
+    if not text.size:
+        return True
+    if limits.min == 0 and limits.max < 2**63 and text.flags.c_contiguous:
+        return int(text.view(numpy.uint64).max()) <= limits.max
+    return int(text.min()) >= limits.min and int(text.max()) <= limits.max
 
 
 def _copied(column: list[Any], dtype: numpy.dtype, shape: tuple[int, ...]) -> numpy.ndarray | None:

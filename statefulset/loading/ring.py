@@ -49,6 +49,7 @@ class BatchRing:
         self.batch_size = batch_size
         self.fields = list(fields)
         self.dtype = self.fields[0].dtype  # text's: what read-ahead builds rows in
+        self.limits = numpy.iinfo(self.dtype)  # the tokens a slot holds (an encoder's are checked against it)
         self.shape = (bundle, batch_size, *self.fields[0].shape)
         self._offsets, at = [], 0
         for field in self.fields:
