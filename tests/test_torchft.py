@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -203,8 +204,18 @@ class Quorum:  # torchft's answers for one quorum of 2, this replica rank 1
     def batches_committed(self): return 0
     def current_step(self): return 0
 
-if sys.argv[3] == "1":  # gate: the workers are still starting when the trainer is killed
+if sys.argv[4] == "start":  # gate: the workers are still starting when the trainer is killed
     os.register_at_fork(after_in_child=lambda: time.sleep(5))
+if sys.argv[4] == "checked":  # gate: each worker waits, after its check of the trainer, until the test killed it
+    from statefulset.shards import storage_stats
+    attach = storage_stats.attach
+    def gated(*args):
+        for _ in range(1200):
+            if os.path.exists(sys.argv[2] + ".killed"):
+                break
+            time.sleep(0.1)
+        attach(*args)
+    storage_stats.attach = gated
 wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
 loader = FaultTolerantLoader(get_train_dataset(sys.argv[1], batch_size=2, worker_config=wc), Quorum())
 for _ in range(int(sys.argv[3])):  # the first is built in the trainer, the next by the workers
@@ -223,13 +234,20 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("batches", [1, 3], ids=["while-workers-start", "after-workers-served"])
-def test_the_workers_die_with_a_trainer_killed_by_sigkill(spec, tmp_path, batches):
+@pytest.mark.parametrize(
+    ("batches", "gate"),
+    [(1, "start"), (3, "none"), (1, "checked")],
+    ids=["while-workers-start", "after-workers-served", "after-the-workers-checked-their-trainer"],
+)
+def test_the_workers_die_with_a_trainer_killed_by_sigkill(spec, tmp_path, batches, gate):
     """The persistent workers outlive plans, not their trainer: SIGKILLed, it leaves none behind,
     whether the workers had served batches or were still starting (the first batch is the trainer's;
-    each forked child sleeps 5 s before it runs anything, so the kill lands during the start)."""
+    gate "start": each forked child sleeps 5 s before it runs anything, so the kill lands during the
+    start; gate "checked": each worker waits after its own check that the trainer lives, before
+    torch's watch of its parent begins, until the trainer is killed: torch's watch then takes init
+    for the trainer, and the worker stayed, polling for requests, before statefulset watched on)."""
     out = tmp_path / "pids.json"
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, spec, str(out), str(batches)])
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, spec, str(out), str(batches), gate])
     try:
         _wait_for(lambda: out.exists() and out.read_text(), 120, "the trainer to write its worker pids")
         pids = json.loads(out.read_text())
@@ -237,11 +255,14 @@ def test_the_workers_die_with_a_trainer_killed_by_sigkill(spec, tmp_path, batche
     finally:
         trainer.kill()
         trainer.wait(timeout=30)
+        Path(str(out) + ".killed").write_text("")  # the gated workers go on
     # torch's workers look at their parent every 5 s (MP_STATUS_CHECK_INTERVAL) and leave.
     deadline = time.monotonic() + 60
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = {p: _state(p) for p in pids if _running(p)}
+    for p in left:  # not left behind by a failing run either
+        os.kill(p, signal.SIGKILL)
     assert not left, f"workers still running 60 s after their trainer was SIGKILLed: {left}"
 
 

@@ -36,6 +36,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -141,11 +142,25 @@ def frozen_for_fork() -> Iterator[None]:
 
 def exit_if_orphaned(parent: int | None) -> None:
     """In a worker, before torch's watch on its parent begins: exit at once when the process that
-    forked it (``parent``; None: not forked, nothing to check) has died meanwhile."""
-    if parent is not None and os.getppid() != parent:
-        # torch's watch would take the parent it sees now (init, or a subreaper) for the trainer
-        # and never notice: the worker would wait for requests forever.
+    forked it (``parent``; None: not forked, nothing to check) has died meanwhile, and from then on
+    whenever it dies (a daemon thread looks every ``POLL_SECONDS``).
+
+    torch's watch takes the parent it sees when it starts for the trainer: the parent it sees after
+    the trainer died is init (or a subreaper), and the worker would wait for requests forever. This
+    check runs a moment before torch's watch starts, so a trainer killed in between left the worker
+    behind (seen: tests/test_torchft.py's SIGKILL test under load, a worker with parent 1 still
+    polling for requests 20 minutes on); the thread closes that gap."""
+    if parent is None:
+        return
+    if os.getppid() != parent:
         os._exit(0)
+    threading.Thread(target=_exit_with, args=(parent,), name="statefulset-parent-watch", daemon=True).start()
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL_SECONDS)
+    os._exit(0)
 
 
 class ParentCheck:
