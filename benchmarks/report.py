@@ -11,7 +11,7 @@ figure in the docs cannot drift from its run: ``tests/test_benchmarks_report.py`
 page differs from what this script makes of ``benchmarks/results/``.
 
     python benchmarks/report.py           # rewrite the pages of PAGES (benchmarks.md, schedules.md, scale.md,
-                                          # preprocessing.md)
+                                          # preprocessing.md, torchtitan.md)
     python benchmarks/report.py --check   # exit 1 if it is not current
 """
 
@@ -31,7 +31,10 @@ from provenance import machine_line  # noqa: E402
 from report_tables import load, missing  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
-PAGES = [os.path.join(ROOT, "docs", page) for page in ("benchmarks.md", "schedules.md", "scale.md", "preprocessing.md")]
+PAGES = [
+    os.path.join(ROOT, "docs", page)
+    for page in ("benchmarks.md", "schedules.md", "scale.md", "preprocessing.md", "torchtitan.md")
+]
 BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
 
 
