@@ -361,6 +361,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "stream": report_tables.stream,
     "worker_pool": report_tables.worker_pool,
     "collectives": report_tables.collectives,
+    "concurrent_open": report_tables.concurrent_open,
 }
 
 

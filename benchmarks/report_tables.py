@@ -159,3 +159,19 @@ def collectives() -> str:
     from bench_collectives import markdown
 
     return markdown(record) + "\n"
+
+
+def concurrent_open() -> str:
+    """Six unprepared opens at once against one alone, whole-process CPU (bench_concurrent_open.py)."""
+    rows = ["| | one process, CPU s | six at once, CPU s | six / one | open CPU, six / one |", "|---|---|---|---|---|"]
+    for name, label in (("bench_concurrent_open_before", "before"), ("bench_concurrent_open", "now")):
+        record = load(name)
+        if record is None:
+            rows.append(f"| {label} | {missing(name, 'python benchmarks/bench_concurrent_open.py').strip()} | | | |")
+            continue
+        where = f"`{record['git']['head'][:7]}`" + (f", `{name}.json`" if label == "before" else "")
+        ratio = f"{_mmm(record['ratio_total_cpu'])}×"
+        ratio = ratio if label == "before" else f"**{ratio}**"
+        rows.append(f"| {label} ({where}) | {_mmm(record['one_total_cpu_s'])} | {_mmm(record['many_total_cpu_s'])} "
+                    f"| {ratio} | {_mmm(record['ratio_open_cpu'])}× |")  # fmt: skip
+    return "\n".join(rows) + "\n"
