@@ -11,7 +11,7 @@ figure in the docs cannot drift from its run: ``tests/test_benchmarks_report.py`
 page differs from what this script makes of ``benchmarks/results/``.
 
     python benchmarks/report.py           # rewrite the pages of PAGES (benchmarks.md, schedules.md, scale.md,
-                                          # preprocessing.md, torchtitan.md)
+                                          # preprocessing.md, torchtitan.md, observability.md, instruction-data.md)
     python benchmarks/report.py --check   # exit 1 if it is not current
 """
 
@@ -33,7 +33,15 @@ from report_tables import load, missing  # noqa: E402
 ROOT = os.path.dirname(HERE)
 PAGES = [
     os.path.join(ROOT, "docs", page)
-    for page in ("benchmarks.md", "schedules.md", "scale.md", "preprocessing.md", "torchtitan.md")
+    for page in (
+        "benchmarks.md",
+        "schedules.md",
+        "scale.md",
+        "preprocessing.md",
+        "torchtitan.md",
+        "observability.md",
+        "instruction-data.md",
+    )
 ]
 BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
 
@@ -362,6 +370,8 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "worker_pool": report_tables.worker_pool,
     "collectives": report_tables.collectives,
     "concurrent_open": report_tables.concurrent_open,
+    "metrics": report_tables.metrics,
+    "loss_masks": report_tables.loss_masks,
 }
 
 

@@ -175,3 +175,46 @@ def concurrent_open() -> str:
         rows.append(f"| {label} ({where}) | {_mmm(record['one_total_cpu_s'])} | {_mmm(record['many_total_cpu_s'])} "
                     f"| {ratio} | {_mmm(record['ratio_open_cpu'])}× |")  # fmt: skip
     return "\n".join(rows) + "\n"
+
+
+def metrics() -> str:
+    """Throughput with metrics() read every step or every 10th against never (bench_metrics.py)."""
+    record = load("bench_metrics")
+    if record is None:
+        return missing("bench_metrics", "python benchmarks/bench_metrics.py")
+    runs = len(next(iter(record["sizes"].values()))["batches_per_second_runs"]["never_read"])
+    rows = [f"{record['workers']} workers, {record['batches_per_run']:,} batches a run; median (min–max) of {runs} "
+            "runs; ratios of the medians, and of blocks that read and blocks that do not alternating in one loader.",
+            "", "| batch | never read, batches/s | read every step | read every 10th | every step ÷ never "
+            "| every 10th ÷ never | every step ÷ never, paired |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for size, r in record["sizes"].items():
+        b, q = r["batches_per_second"], r["throughput_ratio"]
+        rows.append(f"| {size} | {_mmm(b['never_read'], digits=0)} | {_mmm(b['read_every_step'], digits=0)} "
+                    f"| {_mmm(b['read_every_10_steps'], digits=0)} | {q['read_every_step']:.3f} "
+                    f"| {q['read_every_10_steps']:.3f} | {_mmm(r['paired_ratio'])} |")  # fmt: skip
+    call = record["call_us"]
+    rows += ["", f"One `metrics()` read alone: {_mmm(call['metrics_us'], digits=1)} µs; `across_ranks=True` on one "
+                 f"rank {_mmm(call['metrics_across_ranks_us'], digits=1)} µs."]  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def loss_masks() -> str:
+    """Batch assembly with a mask shard against without, per packing; preprocess of segments (bench_loss_masks.py)."""
+    record = load("bench_loss_masks")
+    if record is None:
+        return missing("bench_loss_masks", "python benchmarks/bench_loss_masks.py")
+    a = record["arguments"]
+    rows = [f"Batches of {a['batch_size']} × {a['seq_length'] + 1}, {a['batches']:,} batches a run; median (min–max) "
+            f"of {a['runs']} runs, plain and masked alternating.", "",
+            "| packing | plain, µs a batch | masked, µs a batch | masked ÷ plain (target ≤ 1.15) |",
+            "|---|---|---|---|"]  # fmt: skip
+    for packing, r in record["assembly"].items():
+        q = r["masked_over_plain"]
+        verdict = "met" if q["median"] <= 1.15 else "missed"
+        rows.append(f"| {packing} | {_mmm(r['plain'], 1e6, 0)} | {_mmm(r['masked'], 1e6, 0)} "
+                    f"| {_mmm(q)} ({verdict}) |")  # fmt: skip
+    p = record["preprocess"]
+    ratio = _mmm(p["segments_over_plain"])
+    rows += ["", f"`preprocess` docs/s: segment lists {_mmm(p['segments'], digits=0)}, the same texts as plain "
+                 f"strings {_mmm(p['plain'], digits=0)}; segments ÷ plain {ratio}."]  # fmt: skip
+    return "\n".join(rows) + "\n"
