@@ -11,7 +11,8 @@ figure in the docs cannot drift from its run: ``tests/test_benchmarks_report.py`
 page differs from what this script makes of ``benchmarks/results/``.
 
     python benchmarks/report.py           # rewrite the pages of PAGES (benchmarks.md, schedules.md, scale.md,
-                                          # preprocessing.md, torchtitan.md, observability.md, instruction-data.md)
+                                          # preprocessing.md, torchtitan.md, observability.md, instruction-data.md,
+                                          # transforms.md)
     python benchmarks/report.py --check   # exit 1 if it is not current
 """
 
@@ -41,6 +42,7 @@ PAGES = [
         "torchtitan.md",
         "observability.md",
         "instruction-data.md",
+        "transforms.md",
     )
 ]
 BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
@@ -372,6 +374,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "concurrent_open": report_tables.concurrent_open,
     "metrics": report_tables.metrics,
     "loss_masks": report_tables.loss_masks,
+    "task_encoder": report_tables.task_encoder,
 }
 
 

@@ -218,3 +218,20 @@ def loss_masks() -> str:
     rows += ["", f"`preprocess` docs/s: segment lists {_mmm(p['segments'], digits=0)}, the same texts as plain "
                  f"strings {_mmm(p['plain'], digits=0)}; segments ÷ plain {ratio}."]  # fmt: skip
     return "\n".join(rows) + "\n"
+
+
+def task_encoder() -> str:
+    """Tokens/s with a task encoder against none, the rounds alternating (bench_task_encoder.py)."""
+    record = load("bench_task_encoder")
+    if record is None:
+        return missing("bench_task_encoder", "python benchmarks/bench_task_encoder.py")
+    c, t, q = record["config"], record["tokens_per_s"], record["ratio_to_none"]
+    labels = {"none": "no encoder", "identity": "identity encoder", "rng": "drawing from the keyed `rng`",
+              "identity_keyed": "identity under `@stateless(restore_seeds=True)`"}  # fmt: skip
+    rows = [f"Micro-batches of {c['batch_size']} × {c['seq_length'] + 1}, {c['workers']} workers, {c['batches']:,} "
+            f"batches a run; median (min–max) of {len(t['none']['runs'])} rounds, the encoders alternating.", "",
+            "| encoder | tokens/s | ÷ no encoder, per round |", "|---|---|---|"]  # fmt: skip
+    for name, r in t.items():
+        ratio = _mmm(q[name]) if name in q else "1"
+        rows.append(f"| {labels.get(name, name)} | {_mmm(r, 1e-6, 1)}M | {ratio} |")
+    return "\n".join(rows) + "\n"
