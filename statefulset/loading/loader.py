@@ -145,8 +145,8 @@ class SavableLoader:
         adding ``data_wait_seconds/max|min|mean|max_rank``.
         """
         c = self._cursor  # the place (consumed_samples), without building a Cursor
-        values = rank_metrics(
-            self._options["meter"], self.dataset, c.base + (c.batches + self._taken) * c.dp_size * c.batch_size
+        values = self._options["meter"].read(
+            self.dataset, c.base + (c.batches + self._taken) * c.dp_size * c.batch_size
         )
         if across_ranks:
             return gather_waits(values, self.worker_config, self.collective_timeout)

@@ -60,7 +60,9 @@ class Meter:
         self._worker_rows: numpy.ndarray | None = None  # its stats as numpy, a view of its shared memory
         self.delivery: Any = None  # a weak reference to the current pass (loading.delivery.Delivery)
         self._values: dict[str, float] = {}  # every metric, in the order a read returns them
-        self._parts: tuple[bool, bool] | None = None  # (workers' queue, position): the keys _values has
+        self._parts = -1  # the keys _values has: 1 with the workers' queue, + 2 with a position
+        self._dataset: Any = None  # the dataset of the last read, and its tokens a batch
+        self._tokens = 0
         self._place: int | None = None  # the position the per-source values in _values are for
         # The per-source keys (samples then epochs; weights) and each source's epoch, made once.
         self._keys: tuple[list[str], list[str], numpy.ndarray] | None = None
@@ -87,21 +89,22 @@ class Meter:
 
     def read(self, dataset: Any, position: int | None) -> dict[str, float]:
         """This rank's metrics, a new dict; ``position``: the global position below which the stream
-        counts as drawn (None: no per-source values)."""
+        counts as drawn (None: no per-source values).
+
+        Read after every batch if need be, so the common case is inline and touches few objects: the
+        per-source values from the positions looked up ahead, the storage ones only when a row's bytes
+        changed (each path is the same computation as a read from scratch, tests/test_metrics.py)."""
         delivery = self.delivery() if self.delivery is not None else None
         values = self._values
-        if self._parts != (delivery is not None, position is not None):  # first read, or a part came or went
-            values = self._values = dict.fromkeys(_FIRST, 0.0)
-            if delivery is not None:
-                values["workers/ready_batches"] = 0.0
-            if position is not None:
-                values["position"] = 0.0
-            self._parts, self._place, self._storage_key = (delivery is not None, position is not None), None, b""
-            self._stage = None
+        parts = (delivery is not None) + 2 * (position is not None)
+        if self._parts != parts:  # first read, or a part came or went
+            values = self._fresh(delivery is not None, position is not None, parts)
+        if dataset is not self._dataset:  # tokens a batch: batch_size x seq_length
+            self._dataset, self._tokens = dataset, dataset.batch_size * dataset.stream.seq_length
         batches = self.batches
         values["data_wait_seconds"] = self.wait
         values["batches"] = float(batches)
-        values["tokens"] = float(batches * dataset.batch_size * dataset.stream.seq_length)
+        values["tokens"] = float(batches * self._tokens)
         values["worker_restarts"] = float(self.restarts)
         values["stall_warnings"] = float(self.stalls)
         if delivery is not None:
@@ -109,9 +112,28 @@ class Meter:
         if position is not None:
             values["position"] = float(position)
             if position != self._place:
-                self._sources(dataset.stream, position, values)
-        self._storage(values)
+                found = self._ahead.get(position)
+                if found is not None and found[0] == self._stage:  # looked up ahead, the same stage
+                    values.update(zip(self._keys[0], found[1], strict=True))  # type: ignore[index]
+                    self._place = position
+                else:
+                    self._sources(dataset.stream, position, values)
+        own = storage_stats.row()
+        rows = self._worker_rows
+        key = own.tobytes() if rows is None else own.tobytes() + rows.tobytes()
+        if key != self._storage_key:
+            self._storage(own, key, values)
         return dict(values)
+
+    def _fresh(self, workers: bool, moves: bool, parts: int) -> dict[str, float]:
+        """The dict of values made again, its keys in the order a read returns them (values filled by the read)."""
+        values = self._values = dict.fromkeys(_FIRST, 0.0)
+        if workers:
+            values["workers/ready_batches"] = 0.0
+        if moves:
+            values["position"] = 0.0
+        self._parts, self._place, self._storage_key, self._stage = parts, None, b"", None
+        return values
 
     def _sources(self, stream: Any, position: int, values: dict[str, float]) -> None:
         """``source/{prefix}/samples|weight|epoch`` at ``position`` into ``values``: looked up among the
@@ -159,17 +181,14 @@ class Meter:
         self._ahead = dict(zip(positions.tolist(), zip(stages.tolist(), numbers.tolist(), strict=True), strict=True))
         return self._ahead[position]
 
-    def _storage(self, values: dict[str, float]) -> None:
-        """The storage counters of the trainer and the current pass's workers, summed into ``values``
-        when their bytes changed since the last read."""
-        own = storage_stats.row()
-        key = own.tobytes() if self._worker_rows is None else own.tobytes() + self._worker_rows.tobytes()
-        if key != self._storage_key:
-            total = numpy.subtract(own, self._offset, out=self._total)
-            if self._worker_rows is not None:
-                total += numpy.add.reduce(self._worker_rows, axis=0, out=self._workers_total)
-            self._storage_key = key
-            values.update(storage_stats.summary(total))
+    def _storage(self, own: numpy.ndarray, key: bytes, values: dict[str, float]) -> None:
+        """The storage counters of the trainer (``own``) and the current pass's workers, summed into
+        ``values``; ``key``: their bytes, which the read found changed since the last sum."""
+        total = numpy.subtract(own, self._offset, out=self._total)
+        if self._worker_rows is not None:
+            total += numpy.add.reduce(self._worker_rows, axis=0, out=self._workers_total)
+        self._storage_key = key
+        values.update(storage_stats.summary(total))
 
     def storage_rows(self) -> list[Any]:
         rows = [storage_stats.row()]

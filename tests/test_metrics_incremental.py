@@ -1,0 +1,130 @@
+"""``loader.metrics()``'s incremental reads (issue 29's cost) against a computation from scratch.
+
+A read keeps its values between calls and recomputes only what changed: the per-source values from
+positions looked up ahead, the storage sums when a row's bytes changed, the workers' queue from the
+slots' end stamps sorted when one changed. After random steps (runs of a steady step, reads at the
+same place, jumps), with 0 and 2 DataLoader workers, across a stage change and into a restored
+loader, every read must equal the same metrics computed from the public pieces (the stream's blend
+tree, the weights, the storage rows, the ring's stamps) with nothing kept.
+"""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset.shards import storage_stats
+from statefulset.streams.standing import weights_at
+
+SEQ, BATCH = 16, 4
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    root = tmp_path_factory.mktemp("incremental")
+    rng = numpy.random.default_rng(5)
+    prefixes = []
+    for s, name in enumerate(("web", "code", "math")):
+        prefixes.append(str(root / name))
+        with IndexedDatasetWriter(prefixes[-1], numpy.uint16) as w:
+            for _ in range(100 + 40 * s):
+                w.add_document(rng.integers(0, 60000, int(rng.integers(4, 50))))
+    web, code, math = prefixes
+    stages = [(0, {web: 0.7, code: 0.3}), (96, {web: 0.2, code: 0.3, math: 0.5}), (300, {math: 1.0, web: 1.0})]
+    return {
+        "seq_length": SEQ, "split": "1", "packing": "native", "seed": 4, "path_to_cache": str(root / "cache"),
+        "stages": [{"start": start, "data_path": mix} for start, mix in stages],
+    }  # fmt: skip
+
+
+def _from_scratch(loader, start: numpy.ndarray, shared: tuple[bytes, numpy.ndarray] | None) -> dict[str, float]:
+    """The metrics at the loader's place computed with nothing kept; ``start``: the trainer's storage
+    row when the loader was made; ``shared``: the ring's stamps and its workers' storage rows as the
+    read saw them (None: no ring)."""
+    meter, ds = loader._options["meter"], loader.dataset
+    stream, position = ds.stream, loader.batches_taken * BATCH
+    values = {
+        "data_wait_seconds": meter.wait, "batches": float(meter.batches),
+        "tokens": float(meter.batches * BATCH * SEQ), "worker_restarts": 0.0, "stall_warnings": 0.0,
+    }  # fmt: skip
+    delivery = meter.delivery() if meter.delivery is not None else None
+    if delivery is not None:
+        ready = len(delivery.ready)
+        if shared is not None:  # a scan of every slot's end stamp
+            ends = numpy.frombuffer(shared[0], dtype=numpy.int64).reshape(-1, 2)[:, 1]
+            ready += delivery.source.ring.bundle * sum(int(end) >= delivery.next_t for end in ends)
+        values["workers/ready_batches"] = float(ready)
+    values["position"] = float(position)
+    counts = stream.source_counts(position)
+    raw = weights_at(stream, position)[1]
+    for prefix, count, weight in zip(stream.prefixes, counts, raw, strict=True):
+        values[f"source/{prefix}/samples"] = float(count)
+        values[f"source/{prefix}/weight"] = weight / (sum(raw) or 1.0)
+        values[f"source/{prefix}/epoch"] = count / stream.epoch_sizes[prefix]
+    own = storage_stats.row()
+    total = own - start
+    total[storage_stats.IN_FLIGHT] = own[storage_stats.IN_FLIGHT]  # instantaneous: not counted from the start
+    if shared is not None:
+        total += shared[1].sum(axis=0)
+    values.update(storage_stats.summary(total))
+    return values
+
+
+def _checked_read(loader) -> dict[str, float]:
+    """A read, compared with the computation from scratch over the shared memory it saw (read again
+    if a worker wrote a stamp or a counter during it)."""
+    meter = loader._options["meter"]
+    for _ in range(1000):
+        delivery = meter.delivery() if meter.delivery is not None else None
+        ring = delivery.source.ring if delivery is not None and delivery.workers else None
+        before = (ring.stamps.numpy().tobytes(), ring.stats.numpy().copy()) if ring else None
+        got = loader.metrics()
+        after = (ring.stamps.numpy().tobytes(), ring.stats.numpy().copy()) if ring else None
+        if before is None or (before[0] == after[0] and (before[1] == after[1]).all()):
+            want = _from_scratch(loader, loader.start_row, before)
+            assert list(got) == list(want) and got == want, {k: (got.get(k), want.get(k)) for k in want}
+            return got
+    raise AssertionError("the workers' shared memory changed during each of 1000 reads")
+
+
+def _made(spec, workers: int, state=None):
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
+    loader = get_savable_loader(get_train_dataset(spec, batch_size=BATCH, worker_config=wc))
+    loader.start_row = storage_stats.row().copy()  # what the loader's meter counts from
+    if state is not None:
+        loader.restore_state_rank(state)
+    return loader
+
+
+def _walk(loader, rng, reads: int) -> None:
+    """``reads`` reads after random steps: runs of one step (0: the same place again), storage counted between."""
+    it = iter(loader)
+    done = 0
+    while done < reads:
+        step, run = int(rng.choice([0, 1, 1, 2, 3, 7])), int(rng.integers(1, 6))
+        for _ in range(run):
+            for _ in range(step):
+                next(it)
+            kind = rng.integers(0, 4)
+            if kind == 1:
+                storage_stats.read_ahead_taken(bool(rng.integers(0, 2)))
+            elif kind == 2:
+                ticket = storage_stats.request_started("s3://bucket/x.bin")
+                _checked_read(loader)  # one request in flight
+                storage_stats.request_ended(ticket, int(rng.integers(1, 5000)), retried=False)
+            _checked_read(loader)
+            done += 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_read_equals_the_metrics_computed_from_scratch(spec, workers):
+    rng = numpy.random.default_rng(11 + workers)
+    loader = _made(spec, workers)
+    _checked_read(loader)  # before the first batch: no workers' queue yet
+    _walk(loader, rng, 80)  # past the stage changes at positions 96 and 300
+    assert loader.batches_taken * BATCH > 300
+    state = loader.save_state_rank()
+    again = _made(spec, workers, state)  # restored: read before iterating, then the queue comes
+    _checked_read(again)
+    _walk(again, rng, 40)
