@@ -12,7 +12,7 @@ page differs from what this script makes of ``benchmarks/results/``.
 
     python benchmarks/report.py           # rewrite the pages of PAGES (benchmarks.md, schedules.md, scale.md,
                                           # preprocessing.md, torchtitan.md, observability.md, instruction-data.md,
-                                          # transforms.md)
+                                          # transforms.md, torchft.md)
     python benchmarks/report.py --check   # exit 1 if it is not current
 """
 
@@ -43,6 +43,7 @@ PAGES = [
         "observability.md",
         "instruction-data.md",
         "transforms.md",
+        "torchft.md",
     )
 ]
 BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
