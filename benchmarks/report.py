@@ -376,6 +376,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "metrics": report_tables.metrics,
     "loss_masks": report_tables.loss_masks,
     "task_encoder": report_tables.task_encoder,
+    "fim": report_tables.fim,
 }
 
 

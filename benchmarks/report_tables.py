@@ -235,3 +235,22 @@ def task_encoder() -> str:
         ratio = _mmm(q[name]) if name in q else "1"
         rows.append(f"| {labels.get(name, name)} | {_mmm(r, 1e-6, 1)}M | {ratio} |")
     return "\n".join(rows) + "\n"
+
+
+def fim() -> str:
+    """FIM in token and tokenizer mode against no encoder; tokenizer mode per sample (bench_fim.py)."""
+    record = load("bench_fim")
+    if record is None:
+        return missing("bench_fim", "python benchmarks/bench_fim.py")
+    t, q, s = record["tokens_per_s"], record["over_no_encoder"], record["tokenizer_mode_per_sample"]
+    labels = {"none": "no encoder", "fim_tokens": "FIM, token mode", "fim_tokenizer": "FIM, tokenizer mode"}
+    rows = [f"{record['documents']:,} documents, {record['batches']:,} batches a run; median (min–max) of "
+            f"{len(t['none']['runs'])} runs.", "", "| encoder | tokens/s | ÷ no encoder |",
+            "|---|---|---|"]  # fmt: skip
+    rows += [f"| {labels.get(n, n)} | {_mmm(r, 1e-6, 2)}M | {_mmm(q[n], digits=3)} |" for n, r in t.items()]
+    per = s["samples_per_s"]
+    ours, theirs = _mmm(per["statefulset"], digits=0), _mmm(per["megatron_lm_recreation"], digits=0)
+    rows += ["", f"Tokenizer mode per sample ({s['samples']:,} samples): statefulset {ours} samples/s, a "
+                 f"recreation of Megatron-LM's per-sample loop {theirs}; ours ÷ Megatron-LM "
+                 f"{_mmm(s['ours_over_megatron'])}."]  # fmt: skip
+    return "\n".join(rows) + "\n"
