@@ -127,7 +127,7 @@ class BatchSource(IterableDataset):
         """
         fields = rows.result() if rows is not None else self._build(t)
         positions = self.cursor.positions(t)
-        sources = source_prefixes(self.stream, self.positions(t))
+        sources = source_prefixes(self.stream, positions % self.wrap if self.wrap else positions)  # self.positions(t)
         if ring is None:
             return self.encoder.micro_batch(fields, positions, sources)
         if not self.encoder.collates:
@@ -212,7 +212,7 @@ class BatchSource(IterableDataset):
             self.encoder.restore(saved)
         first, batches = pending[0][0], [batch for _, batch in pending]
         slot = bundles % ring.slots
-        if not all(in_ring_layout(ring, self.cursor.positions(t), batch) for t, batch in pending):
+        if not all(type(b) is Staged or in_ring_layout(ring, self.cursor.positions(t), b) for t, b in pending):
             values = [_collated(b) for b in batches]
             if arena is not None:
                 return ("arena", worker, first, len(batches), *arena.place(values, slot, first))
