@@ -66,7 +66,9 @@ class Meter:
         self._place: int | None = None  # the position the per-source values in _values are for
         # The per-source keys (samples then epochs; weights) and each source's epoch, made once.
         self._keys: tuple[list[str], list[str], numpy.ndarray] | None = None
-        self._ahead: dict[int, tuple[int, list[float]]] = {}  # position -> its stage and per-source values
+        # The last blend-tree walk: (first position, step, positions, their stages, their per-source
+        # values as rows of a float array); a read takes its row, no Python object made per position.
+        self._ahead: tuple[int, int, int, list[int], Any] = (0, 1, 0, [], None)
         self._step = 0  # how far the position moved between the last two reads that walked the tree
         self._stage: int | None = None  # the stage the weights in _values are for
         self._storage_key = b""  # the storage rows' bytes the storage values in _values are for
@@ -112,9 +114,10 @@ class Meter:
         if position is not None:
             values["position"] = float(position)
             if position != self._place:
-                found = self._ahead.get(position)
-                if found is not None and found[0] == self._stage:  # looked up ahead, the same stage
-                    values.update(zip(self._keys[0], found[1], strict=True))  # type: ignore[index]
+                first, step, count, stages, numbers = self._ahead
+                i, off = divmod(position - first, step)
+                if not off and 0 <= i < count and stages[i] == self._stage:  # walked ahead, the same stage
+                    values.update(zip(self._keys[0], numbers[i].tolist(), strict=True))  # type: ignore[index]
                     self._place = position
                 else:
                     self._sources(dataset.stream, position, values)
@@ -155,10 +158,12 @@ class Meter:
             half = len(weight_keys)
             ordered = zip(counted[:half], weight_keys, counted[half:], strict=True)
             values.update(dict.fromkeys(key for keys in ordered for key in keys))
-        found = self._ahead.get(position)
-        if found is None:
-            found = self._look_ahead(stream, position)
-        stage, numbers = found
+        first, step, count, stages, rows = self._ahead
+        i, off = divmod(position - first, step)
+        if not off and 0 <= i < count:
+            stage, numbers = stages[i], rows[i].tolist()
+        else:
+            stage, numbers = self._look_ahead(stream, position)
         values.update(zip(counted, numbers, strict=True))
         if stage != self._stage:
             _, raw = weights_at(stream, position)
@@ -178,8 +183,8 @@ class Meter:
         positions = position + step * numpy.arange(ahead, dtype=numpy.int64)
         counts, stages = stream.source_counts_many(positions)
         numbers = numpy.concatenate([counts.astype(numpy.float64), counts / self._keys[2]], axis=1)
-        self._ahead = dict(zip(positions.tolist(), zip(stages.tolist(), numbers.tolist(), strict=True), strict=True))
-        return self._ahead[position]
+        self._ahead = (position, step or 1, ahead, stages.tolist(), numbers)
+        return self._ahead[3][0], numbers[0].tolist()
 
     def _storage(self, own: numpy.ndarray, key: bytes, values: dict[str, float]) -> None:
         """The storage counters of the trainer (``own``) and the current pass's workers, summed into
