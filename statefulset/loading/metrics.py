@@ -13,7 +13,8 @@ Everything is counted in the trainer process, once per batch, or derived when as
   own; reading them sums a few small arrays, with no message to any worker, so it works while a
   worker is stuck too.
 - ``workers/ready_batches``: batches built ahead and waiting, from the ring's slot stamps (a queue
-  depth of 0 while the trainer waits says the workers are the bottleneck).
+  depth of 0 while the trainer waits says the workers are the bottleneck); sorted again only when a
+  worker wrote one (``Delivery.ready_batches``).
 
 ``across_ranks=True`` adds one all-gather of a float per DP rank (:func:`across_ranks`), after the
 ranks met within the loader's ``collective_timeout``. docs/observability.md says how to read them.
