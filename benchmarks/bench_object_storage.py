@@ -1,270 +1,337 @@
-"""Object storage, side by side: statefulset against megatron-core 0.16's S3 reader, one run.
+"""Object storage, like with like: statefulset against megatron-core's S3 reader and the store itself, one run.
 
-A 150M-token uint16 shard (``benchmarks/corpus.py``, 300,000 documents) on a loopback S3 server
-(npm ``s3rver``: objects are files, so a ranged GET costs the same anywhere in the object) behind
-``tests/s3_proxy.py``, which adds 10 ms to every request (a same-region object store's first-byte
-latency). Micro-batches of B=8 samples of S=2048 tokens (+1), random access.
+A uint16 shard (``benchmarks/corpus.py``; 300,000 documents, 150M tokens at full size) on a
+loopback S3 server (npm ``s3rver``) behind ``tests/s3_proxy.py``, which adds 10 ms to every
+request (a same-region object store's first-byte latency). Micro-batches of B=8 samples of
+S=2048 tokens (+1). Both loaders read GPTDataset's samples 0..n in order (the same seed, split and
+number of samples); the first batch of every row is hashed and the run checks the hashes are equal.
 
-Variants, each in a fresh process with a fresh node cache (so the first batch pays the ``.idx``
-download):
+Rows, each round running all of them in turn (``--rounds``, at least 3: median and spread), each
+row in a fresh process with a fresh node cache:
 
-- ``ours``: ``get_savable_loader`` on ``s3://`` over ``packing: megatron`` (GPTDataset's samples,
-  sample for sample: the like-for-like rows against megatron-core) with 0, 2, 4 and 8 workers,
-  over ``packing: native`` (one contiguous window per sample: a different workload, one ranged GET
-  per sample) with 0, 1, 4 and 8 workers, and ``packing: native`` on the local files with 4
-  workers (what the same loader does without a network);
-- ``plain GET loop``: no loader, sample-sized ranged GETs at random offsets, one process issuing
-  synchronous batches of 64 (obstore). It is a simple client loop, not a ceiling on what the
-  store serves (our loader beats it);
-- ``megatron``: megatron-core ``GPTDataset`` with ``object_storage_cache_path`` (its S3 reader:
-  the ``.idx`` cached locally, the ``.bin`` read in ``bin_chunk_nbytes`` chunks through one boto3
-  client per process) in a ``torch.utils.data.DataLoader``: 1 MiB chunks with 4, 8, 16 and 32
-  workers (its reader waits on one request at a time per process, so more processes help), and
-  its default 256 MiB chunk with 4 workers.
+- ``ours``: ``get_savable_loader`` on ``s3://`` with ``packing: megatron``, 0, 2 and 4 workers;
+- ``megatron-core``: ``GPTDataset`` with ``object_storage_cache_path`` (its S3 reader: the
+  ``.idx`` cached locally, the ``.bin`` read in ``bin_chunk_nbytes`` chunks, one request at a time
+  per process) in a ``torch.utils.data.DataLoader`` with 4, 8, 16 and 32 workers and 1 MiB and
+  256 KiB chunks;
+- ``store capacity``: no loader (``store_capacity.py``): the ranged GETs our loader asks for the
+  same samples (each sample's document pieces, merged per batch as our reader merges them), from
+  1, 2 and 4 processes (as many as our loader reads from: the main process at 0 workers, else one
+  per worker), each keeping 32 in flight (our request limit per process).
 
-The ratio to quote is ours ``packing: megatron`` against megatron-core's best row: the same
-samples on both sides. Rows with ``packing: native`` read other samples and are not a
-comparison with megatron-core.
+Reported per row: tokens/s, requests per sample (the proxy's ranged GETs over the measured window,
+against the documents a sample spans), ours as a fraction of the store's capacity at as many
+processes, and ours and megatron-core's rows against megatron-core's best row of the same round.
 
-Reported: tokens/s over the measured window (after the first batch), requests per sample (the
-proxy's count), the first-batch time of a cold node. Run::
-
-    S3RVER_BIN=/path/to/node_modules/.bin/s3rver python benchmarks/bench_object_storage.py
-
-``--seconds`` bounds each measurement (default 20), ``--quick`` runs a 5-second smoke version of
-a few rows (results to ``benchmarks/out/quick/``).
+    S3RVER_BIN=/path/to/node_modules/.bin/s3rver python benchmarks/bench_object_storage.py   # full size
+    python benchmarks/bench_object_storage.py --docs 60000 --samples 20000 --seconds 4 --megatron-workers 4 8 16
+    python benchmarks/bench_object_storage.py --quick     # smoke size, results to benchmarks/out/quick/
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from corpus import OUT_DIR, make_corpus  # noqa: E402
-from provenance import write_results  # noqa: E402
+from provenance import summary, write_results  # noqa: E402
 
 B, S = 8, 2048
-DOCS = 300_000
 BUCKET = "bench"
 LATENCY = 0.010
-MEGATRON_SAMPLES = 200_000
-GET_LOOP = "plain GET loop: one process, synchronous batches of 64 ranged GETs (obstore; not a ceiling)"
+INFLIGHT = 32  # our loader's request limit per process (STATEFULSET_STORAGE_MAX_REQUESTS)
+PIECE_SAMPLES = 8192  # samples whose requests the store-capacity loop cycles through
 EXTRA = ("megatron-core", "s3fs", "obstore", "boto3")
 
 
-def _shard() -> str:
-    prefix = os.path.join(OUT_DIR, "s3", "c150m")
+def _shard(docs: int) -> str:
+    prefix = os.path.join(OUT_DIR, "s3", f"c{docs}")
     if not os.path.exists(prefix + ".idx"):
         import numpy
 
         from statefulset import IndexedDatasetWriter
 
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        tokens, lengths = make_corpus(DOCS)
+        tokens, lengths = make_corpus(docs)
         with IndexedDatasetWriter(prefix, dtype=numpy.uint16) as w:
             w.add_documents(tokens, lengths)
     return prefix
 
 
 # -- one measurement, in a process of its own ---------------------------------------------------
-def _measure(batches, seconds: float) -> dict[str, float]:
+def _proxy_stats() -> dict:
+    with urllib.request.urlopen(os.environ["AWS_ENDPOINT_URL"] + "/__proxy__/stats", timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+def _digest(tokens) -> str:
+    import numpy
+
+    return hashlib.sha256(numpy.ascontiguousarray(tokens.numpy().astype(numpy.int64)).tobytes()).hexdigest()[:16]
+
+
+def _measure(batches, seconds: float, digest) -> dict:
+    """tokens/s and ranged GETs per sample over a window after the first batch (read-ahead excluded)."""
     start = time.perf_counter()
-    next(batches)
-    first = time.perf_counter() - start
+    first = digest(next(batches))
+    first_s = time.perf_counter() - start
+    before = _proxy_stats()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         next(batches)
         count += 1
     elapsed = time.perf_counter() - start
-    return {"first_batch_s": first, "batches": count, "seconds": elapsed, "tokens_per_s": count * B * S / elapsed}
+    ranged = _proxy_stats()["ranged"] - before["ranged"]
+    return {"first_batch_s": first_s, "batches": count, "seconds": elapsed, "tokens_per_s": count * B * S / elapsed,
+            "requests_per_sample": ranged / max(1, count * B), "digest": first}  # fmt: skip
 
 
-def run_ours(job: dict) -> dict[str, float]:
+def run_ours(job: dict) -> dict:
     from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 
-    spec = {"data_path": job["prefix"], "seq_length": S, "split": "100,0,0", "packing": job["packing"], "seed": 3}
-    if job["packing"] == "megatron":  # GPTDataset's samples, as the megatron-core rows build them
-        spec["num_samples"] = MEGATRON_SAMPLES
-    if job.get("storage_options"):
-        spec["storage_options"] = job["storage_options"]
+    spec = {"data_path": job["prefix"], "seq_length": S, "split": "100,0,0", "packing": "megatron", "seed": 3,
+            "num_samples": job["num_samples"]}  # fmt: skip
     start = time.perf_counter()
     wc = WorkerConfig(rank=0, world_size=1, num_workers=job["workers"])
     loader = get_savable_loader(get_train_dataset(spec, batch_size=B, worker_config=wc), prefetch_factor=4)
-    result = _measure(iter(loader), job["seconds"])
+    result = _measure(iter(loader), job["seconds"], lambda batch: _digest(batch["text"]))
     result["open_and_first_batch_s"] = time.perf_counter() - start - result["seconds"]
     return result
 
 
-def run_megatron(job: dict) -> dict[str, float]:
-    import torch
+def megatron_dataset(prefix: str, num_samples: int, cache: str, idx_cache: str | None, chunk: int = 1 << 20):
+    """megatron-core's GPTDataset over ``prefix`` (``idx_cache``: through its object-storage reader)."""
     from megatron.core.datasets import gpt_dataset
     from megatron.core.datasets.object_storage_utils import ObjectStorageConfig
 
     # GPTDataset builds its ObjectStorageConfig itself: the chunk size is its only knob.
-    gpt_dataset.ObjectStorageConfig = functools.partial(ObjectStorageConfig, bin_chunk_nbytes=job["chunk"])
+    gpt_dataset.ObjectStorageConfig = functools.partial(ObjectStorageConfig, bin_chunk_nbytes=chunk)
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 
-    start = time.perf_counter()
     config = gpt_dataset.GPTDatasetConfig(
-        random_seed=3, sequence_length=S, blend=([job["prefix"]], None), split="100,0,0",
+        random_seed=3, sequence_length=S, blend=([prefix], None), split="100,0,0",
         tokenizer=NullTokenizer(50257), reset_position_ids=False, reset_attention_mask=False,
-        eod_mask_loss=False, mmap_bin_files=False, path_to_cache=job["cache"],
-        object_storage_cache_path=job["idx_cache"],
+        eod_mask_loss=False, mmap_bin_files=False, path_to_cache=cache, object_storage_cache_path=idx_cache,
     )  # fmt: skip
-    sizes = [job["num_samples"], None, None]
-    dataset = BlendedMegatronDatasetBuilder(gpt_dataset.GPTDataset, sizes, lambda: True, config).build()[0]
-    loader = torch.utils.data.DataLoader(dataset, batch_size=B, num_workers=job["workers"], prefetch_factor=4)
-    result = _measure(iter(loader), job["seconds"])
-    result["open_and_first_batch_s"] = time.perf_counter() - start - result["seconds"]
-    return result
+    sizes = [num_samples, None, None]
+    return BlendedMegatronDatasetBuilder(gpt_dataset.GPTDataset, sizes, lambda: True, config).build()[0]
 
 
-def run_reference(job: dict) -> dict[str, float]:
-    """A plain client loop: sample-sized ranged GETs at random offsets, synchronous batches of 64 from
-    one process through obstore. Not a ceiling: a loader that keeps requests in flight beats it."""
-    import numpy
-    import obstore
-    from obstore.store import S3Store
-
-    bucket, key = job["prefix"][len("s3://") :].split("/", 1)
-    store = S3Store(
-        bucket, endpoint=os.environ["AWS_ENDPOINT_URL"], access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-        secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], region="us-east-1",
-        client_options={"allow_http": True},
-    )  # fmt: skip
-    size = obstore.head(store, key + ".bin")["size"]
-    rng = numpy.random.default_rng(0)
-    nbytes = (S + 1) * 2
-
-    def batches():
-        while True:
-            starts = (rng.integers(0, size - nbytes, 64) // 2 * 2).tolist()
-            obstore.get_ranges(store, key + ".bin", starts=starts, lengths=[nbytes] * 64)
-            for _ in range(64 // B):
-                yield
+def run_megatron(job: dict) -> dict:
+    import torch
 
     start = time.perf_counter()
-    result = _measure(batches(), job["seconds"])
+    dataset = megatron_dataset(job["prefix"], job["num_samples"], job["cache"], job["idx_cache"], job["chunk"])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=B, num_workers=job["workers"], prefetch_factor=4)
+
+    def digest(batch) -> str:
+        return _digest(torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1))
+
+    result = _measure(iter(loader), job["seconds"], digest)
     result["open_and_first_batch_s"] = time.perf_counter() - start - result["seconds"]
     return result
+
+
+def run_pieces(job: dict) -> dict:
+    """The requests of the store-capacity loop, from megatron-core's indices over the local shard."""
+    from store_capacity import batch_requests, sample_pieces
+
+    dataset = megatron_dataset(job["prefix"], job["num_samples"], job["cache"], None)
+    pieces = sample_pieces(dataset, min(PIECE_SAMPLES, job["num_samples"]))
+    batches = batch_requests(pieces, B)
+    with open(job["out"], "w") as f:
+        json.dump(batches, f)
+    return {"documents_per_sample": sum(map(len, pieces)) / len(pieces),
+            "merged_requests_per_sample": sum(map(len, batches)) / (len(batches) * B)}  # fmt: skip
+
+
+def _command(job: dict) -> list[str]:
+    return [sys.executable, __file__, "--child", json.dumps(job)]
 
 
 def _child(job: dict) -> dict:
     env = {**os.environ, **job.pop("env", {})}
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)],
-        env=env, capture_output=True, text=True, timeout=job["seconds"] * 4 + 600,
-    )  # fmt: skip
+    out = subprocess.run(_command(job), env=env, capture_output=True, text=True, timeout=job["seconds"] * 4 + 600)
     if out.returncode != 0:
         raise RuntimeError(f"{job['name']} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _capacity(job: dict, batches_file: str) -> dict:
+    """``job['processes']`` loop processes started together; their answers summed."""
+    with open(batches_file) as f:
+        batches = json.load(f)
+    env = {**os.environ, **job.pop("env", {})}
+    start_at = time.time() + 5.0  # every process set up before the window opens
+    procs = []
+    for index in range(job["processes"]):
+        part = [b for i, b in enumerate(batches) if i % job["processes"] == index]
+        path = f"{batches_file}.{index}"
+        with open(path, "w") as f:
+            json.dump(part, f)
+        sub = {**job, "index": 0, "processes": 1, "batches_file": path, "start_at": start_at, "inflight": INFLIGHT}
+        procs.append(subprocess.Popen(_command(sub), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    answers = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=job["seconds"] + 300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{job['name']} failed:\n{err[-4000:]}")
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    requests = sum(a["requests"] for a in answers)
+    per_sample = sum(map(len, batches)) / (len(batches) * B)
+    rate = requests / job["seconds"]
+    return {"requests_per_s": rate, "tokens_per_s": rate / per_sample * S, "requests_per_sample": per_sample}
+
+
+def plan(url: str, args: argparse.Namespace) -> list[dict]:
+    """The rows of one round."""
+    processes = sorted({max(1, w) for w in args.ours_workers})
+    rows = [{"name": f"store capacity: {p} process{'es' if p > 1 else ''} x {INFLIGHT} GETs in flight",
+             "kind": "capacity", "processes": p} for p in processes]  # fmt: skip
+    rows += [{"name": f"ours, packing: megatron, {w} workers", "kind": "ours", "workers": w, "processes": max(1, w)}
+             for w in args.ours_workers]  # fmt: skip
+    rows += [{"name": f"megatron-core, chunk {_size(c)}, {w} workers", "kind": "megatron", "workers": w, "chunk": c}
+             for c in args.chunks for w in args.megatron_workers]  # fmt: skip
+    for row in rows:
+        row.update(prefix=url, num_samples=args.samples, seconds=args.seconds)
+    return rows
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def _round(rows: list[dict], scratch: str, p, env: dict, batches_file: str, r: int) -> dict[str, dict]:
+    """Every row once, each in fresh processes with a fresh node cache."""
+    measured = {}
+    for i, row in enumerate(rows):
+        node = os.path.join(scratch, f"r{r}-node{i}")
+        job = {**row, "cache": os.path.join(scratch, "megatron-indices"), "idx_cache": os.path.join(node, "idx"),
+               "env": {**env, "STATEFULSET_REMOTE_CACHE": os.path.join(node, "remote-idx"),
+                       "XDG_CACHE_HOME": os.path.join(node, "xdg")}}  # fmt: skip
+        p.reset()
+        p.set(latency=LATENCY)
+        try:
+            result = _capacity(job, batches_file) if row["kind"] == "capacity" else _child(job)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            result = {"error": str(exc)[-2000:]}
+        measured[row["name"]] = result
+        shown = f"{result['tokens_per_s'] / 1e3:9.1f}k tok/s {result['requests_per_sample']:6.2f} req/sample" if (
+            "tokens_per_s" in result) else "FAILED " + result["error"][-300:]
+        print(f"round {r} {row['name']:55s} {shown}", flush=True)
+    return measured
+
+
+def combine(rows: list[dict], rounds: list[dict[str, dict]]) -> dict:
+    """Median and spread per row; per-round ratios to megatron-core's best and to the store's capacity."""
+    out = {}
+    for row in rows:
+        runs = [rd[row["name"]] for rd in rounds]
+        ok = [x for x in runs if "tokens_per_s" in x]
+        entry = {k: row[k] for k in ("kind", "workers", "chunk", "processes") if k in row}
+        entry["finished"] = f"{len(ok)}/{len(runs)}"
+        entry["errors"] = [x["error"] for x in runs if "error" in x]
+        for key in ("tokens_per_s", "requests_per_sample", "open_and_first_batch_s", "requests_per_s"):
+            if ok and key in ok[0]:
+                entry[key] = summary([x[key] for x in ok])
+        entry["digests"] = sorted({x["digest"] for x in ok if "digest" in x})
+        to_best, of_capacity = [], []
+        for rd in rounds:
+            mine = rd[row["name"]].get("tokens_per_s")
+            best = max((v["tokens_per_s"] for k, v in rd.items() if k.startswith("megatron") and "tokens_per_s" in v),
+                       default=None)  # fmt: skip
+            if mine and best and row["kind"] != "capacity":
+                to_best.append(mine / best)
+            cap = next((v.get("tokens_per_s") for k, v in rd.items() if k.startswith("store capacity")
+                        and k.split(": ")[1].split(" ")[0] == str(row.get("processes"))), None)  # fmt: skip
+            if mine and cap and row["kind"] == "ours":
+                of_capacity.append(mine / cap)
+        if to_best:
+            entry["to_megatron_best"] = summary(to_best)
+        if of_capacity:
+            entry["of_store_capacity"] = summary(of_capacity)
+        out[row["name"]] = entry
+    return out
 
 
 def main() -> None:
     from s3_servers import proxy, s3rver_server, upload
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--quick", action="store_true", help="5-second measurements")
+    parser.add_argument("--docs", type=int, default=300_000, help="documents in the shard (300,000: 150M tokens)")
+    parser.add_argument("--samples", type=int, default=200_000, help="GPTDataset's num_samples, both sides")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measured window of each row")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ours-workers", type=int, nargs="+", default=[0, 2, 4])
+    parser.add_argument("--megatron-workers", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1 << 20, 256 << 10], help="megatron-core's bytes")
+    parser.add_argument("--quick", action="store_true", help="smoke size: 20,000 documents, 3 s, fewer rows")
     args = parser.parse_args()
-    seconds = 5.0 if args.quick else args.seconds
-    prefix = _shard()
-    results: dict[str, dict] = {}
+    if args.quick:
+        args.docs, args.samples, args.seconds = 20_000, 4_000, 3.0
+        args.ours_workers, args.megatron_workers, args.chunks = [0, 2], [4], [1 << 20]
+    if args.rounds < 3:
+        parser.error("--rounds: a figure needs at least 3")
+    started = time.time()
+    prefix = _shard(args.docs)
+    name = os.path.basename(prefix)
     with tempfile.TemporaryDirectory() as scratch, s3rver_server(os.path.join(scratch, "s3")) as server:
-        upload(server, BUCKET, {f"c150m.{e}": f"{prefix}.{e}" for e in ("bin", "idx")})
+        upload(server, BUCKET, {f"{name}.{e}": f"{prefix}.{e}" for e in ("bin", "idx")})
+        batches_file = os.path.join(scratch, "requests.json")
+        mix = _child({"name": "pieces", "kind": "pieces", "prefix": prefix, "num_samples": args.samples,
+                      "cache": os.path.join(scratch, "local-indices"), "out": batches_file, "seconds": 60})  # fmt: skip
         with proxy(server) as p:
-            p.set(latency=LATENCY)
             env = {**server.env(), "AWS_ENDPOINT_URL": p.endpoint}
-            url = f"s3://{BUCKET}/c150m"
-            jobs = plan(url, prefix, args.quick)
-            for i, job in enumerate(jobs):
-                node = os.path.join(scratch, f"node{i}")
-                job.update(
-                    seconds=seconds,
-                    cache=os.path.join(node, "indices"),
-                    idx_cache=os.path.join(node, "idx"),
-                    env={**env, **job.get("env", {}), "STATEFULSET_REMOTE_CACHE": os.path.join(node, "remote-idx"),
-                         "XDG_CACHE_HOME": os.path.join(node, "xdg")},
-                )  # fmt: skip
-                p.reset()
-                p.set(latency=LATENCY)
-                result = _child(dict(job))
-                stats = p.stats()
-                samples = (result["batches"] + 1) * B
-                result["requests"] = stats["requests"]
-                result["requests_per_sample"] = stats["ranged"] / samples
-                results[job["name"]] = result
-                print(
-                    f"{job['name']:45s} {result['tokens_per_s'] / 1e6:8.2f}M tok/s  "
-                    f"{result['requests_per_sample']:6.2f} req/sample  "
-                    f"first batch {result['open_and_first_batch_s']:.2f} s",
-                    flush=True,
-                )
-    report = {"latency_s": LATENCY, "seconds": seconds, "results": results}
+            rows = plan(f"s3://{BUCKET}/{name}", args)
+            rounds = [_round(rows, scratch, p, env, batches_file, r) for r in range(args.rounds)]
+    results = combine(rows, rounds)
+    digests = {d for k, v in results.items() if v["kind"] != "capacity" for d in v["digests"]}
+    report = {
+        "latency_s": LATENCY, "seconds": args.seconds, "rounds": args.rounds, "docs": args.docs,
+        "tokens": int(os.path.getsize(prefix + ".bin") // 2), "num_samples": args.samples, "batch": B, "seq": S,
+        "inflight_per_process": INFLIGHT, **mix, "same_first_batch": len(digests) == 1,
+        "wall_s": round(time.time() - started, 1), "results": results,
+    }  # fmt: skip
     write_results("object_storage", report, EXTRA, quick=args.quick)
     print(markdown(report))
 
 
-def plan(url: str, prefix: str, quick: bool) -> list[dict]:
-    """The rows of one run (``quick``: one of each kind)."""
-    ours = [("megatron", w) for w in ((0, 2) if quick else (0, 2, 4, 8))]
-    ours += [("native", w) for w in ((0,) if quick else (0, 1, 4, 8))]
-    megatron = [(1 << 20, "1 MiB", w) for w in ((4,) if quick else (4, 8, 16, 32))]
-    megatron += [] if quick else [(256 << 20, "256 MiB", 4)]
-    return [
-        {"name": GET_LOOP, "kind": "reference", "prefix": url, "workers": 0},
-        {"name": "ours, local files, packing: native, 4 workers", "kind": "ours", "prefix": prefix, "workers": 4,
-         "packing": "native"},
-        *({"name": f"ours, S3, packing: {packing}, {w} workers", "kind": "ours", "prefix": url, "workers": w,
-           "packing": packing} for packing, w in ours),
-        *([] if quick else [{"name": "ours, S3 through s3fs only, packing: native, 4 workers", "kind": "ours",
-                             "prefix": url, "workers": 4, "packing": "native",
-                             "env": {"STATEFULSET_S3_CLIENT": "s3fs"}}]),
-        *({"name": f"megatron-core, S3, chunk {label}, {w} workers", "kind": "megatron", "prefix": url,
-           "workers": w, "chunk": chunk, "num_samples": MEGATRON_SAMPLES} for chunk, label, w in megatron),
-    ]  # fmt: skip
-
-
-# Row names of runs before the rename (the 'reference' row was never a ceiling; those rows were native).
-LEGACY_NAMES = {
-    "reference: raw ranged GETs, one process, 64 in flight": GET_LOOP,
-    "ours, local files, 4 workers": "ours, local files, packing: native, 4 workers",
-    **{f"ours, S3, {w} workers": f"ours, S3, packing: native, {w} workers" for w in (0, 1, 4, 8)},
-    "ours, S3 through s3fs only, 4 workers": "ours, S3 through s3fs only, packing: native, 4 workers",
-}
+def _cell(stat: dict | None, scale: float = 1.0, fmt: str = "{:.3g}") -> str:
+    if not stat:
+        return "—"
+    return f"{fmt.format(stat['median'] * scale)} ({fmt.format(stat['min'] * scale)}–{fmt.format(stat['max'] * scale)})"
 
 
 def markdown(report: dict) -> str:
-    results = report["results"]
-    """The table of docs/benchmarks.md; ``÷ megatron-core`` only where the samples are the same."""
-    results = report["results"]
-    local = next(v for k, v in results.items() if k.startswith("ours, local files"))["tokens_per_s"]
-    loop = next(v for k, v in results.items() if k.startswith(("plain GET loop", "reference")))["tokens_per_s"]
-    best_megatron = max(v["tokens_per_s"] for k, v in results.items() if k.startswith("megatron"))
-    results = {LEGACY_NAMES.get(k, k): v for k, v in results.items()}
+    """The table of docs/benchmarks.md (medians, min–max over the rounds)."""
     rows = [
-        "| Loader | tokens/s | ÷ megatron-core (best), same samples | of ours on local files | ÷ plain GET loop "
-        "| requests/sample | cold first batch, s |",
-        "|---|---|---|---|---|---|---|",
+        f"{report['tokens'] / 1e6:.0f}M-token shard, {report['docs']:,} documents, GPTDataset num_samples "
+        f"{report['num_samples']:,}, B={report['batch']}, S={report['seq']}, {report['latency_s'] * 1e3:.0f} ms "
+        f"added per request, {report['rounds']} rounds of {report['seconds']:g} s per row; a sample spans "
+        f"{report['documents_per_sample']:.2f} documents, {report['merged_requests_per_sample']:.2f} requests "
+        f"after merging; first batch identical on every loader row: {'yes' if report['same_first_batch'] else 'NO'}.",
+        "",
+        "| Row | tokens/s (k) | requests/sample | ÷ store capacity, same processes | ÷ megatron-core's best | finished |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, r in results.items():
-        like = "packing: megatron" in name or name.startswith("megatron")
-        ratio = f"{r['tokens_per_s'] / best_megatron:.3g}×" if like else "— (other samples)"
+    for name, r in report["results"].items():
         rows.append(
-            f"| {name} | {r['tokens_per_s'] / 1e6:.3g}M | {ratio} | "
-            f"{r['tokens_per_s'] / local:.2%} | {r['tokens_per_s'] / loop:.2f} | "
-            f"{r['requests_per_sample']:.2f} | {r['open_and_first_batch_s']:.2f} |"
+            f"| {name} | {_cell(r.get('tokens_per_s'), 1e-3, '{:.0f}')} | {_cell(r.get('requests_per_sample'), 1, '{:.2f}')} "
+            f"| {_cell(r.get('of_store_capacity'), 100, '{:.0f}%')} | {_cell(r.get('to_megatron_best'), 1, '{:.2f}×')} "
+            f"| {r['finished']} |"
         )
     return "\n".join(rows)
 
@@ -272,7 +339,14 @@ def markdown(report: dict) -> str:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         job = json.loads(sys.argv[2])
-        run = {"megatron": run_megatron, "ours": run_ours, "reference": run_reference}[job["kind"]]
-        print(json.dumps(run(job)))
+        if job["kind"] == "capacity":
+            from store_capacity import run_capacity
+
+            with open(job["batches_file"]) as f:
+                job["batches"] = json.load(f)
+            print(json.dumps(run_capacity(job)))
+        else:
+            run = {"megatron": run_megatron, "ours": run_ours, "pieces": run_pieces}[job["kind"]]
+            print(json.dumps(run(job)))
     else:
         main()
