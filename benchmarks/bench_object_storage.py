@@ -175,7 +175,7 @@ def _capacity(job: dict, batches_file: str) -> dict:
     with open(batches_file) as f:
         batches = json.load(f)
     env = {**os.environ, **job.pop("env", {})}
-    start_at = time.time() + 5.0  # every process set up before the window opens
+    start_at = time.time() + 8.0  # every process set up before the window opens (else its window is shorter)
     procs = []
     for index in range(job["processes"]):
         part = [b for i, b in enumerate(batches) if i % job["processes"] == index]
@@ -188,12 +188,12 @@ def _capacity(job: dict, batches_file: str) -> dict:
     for proc in procs:
         out, err = proc.communicate(timeout=job["seconds"] + 300)
         if proc.returncode != 0:
-            raise RuntimeError(f"{job['name']} failed:\n{err[-4000:]}")
+            raise RuntimeError(f"{job['name']}: process {len(answers)} exited {proc.returncode}:\n{err[-4000:]}{out[-500:]}")
         answers.append(json.loads(out.strip().splitlines()[-1]))
-    requests = sum(a["requests"] for a in answers)
     per_sample = sum(map(len, batches)) / (len(batches) * B)
-    rate = requests / job["seconds"]
-    return {"requests_per_s": rate, "tokens_per_s": rate / per_sample * S, "requests_per_sample": per_sample}
+    rate = sum(a["requests"] / a["seconds"] for a in answers if a["seconds"] > 0)
+    return {"requests_per_s": rate, "tokens_per_s": rate / per_sample * S, "requests_per_sample": per_sample,
+            "shortest_window_s": min(a["seconds"] for a in answers)}  # fmt: skip
 
 
 def plan(url: str, args: argparse.Namespace) -> list[dict]:
@@ -344,7 +344,8 @@ if __name__ == "__main__":
 
             with open(job["batches_file"]) as f:
                 job["batches"] = json.load(f)
-            print(json.dumps(run_capacity(job)))
+            print(json.dumps(run_capacity(job)), flush=True)
+            os._exit(0)  # obstore's runtime can abort at interpreter exit (SIGABRT) after the loop is done
         else:
             run = {"megatron": run_megatron, "ours": run_ours, "pieces": run_pieces}[job["kind"]]
             print(json.dumps(run(job)))

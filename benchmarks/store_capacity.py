@@ -56,7 +56,7 @@ async def _loop(store, key: str, requests: list[tuple[int, int]], inflight: int,
 
     done = [0, 0]  # requests, bytes answered inside the window
     position = [0]
-    begin, stop = start_at, start_at + seconds
+    begin, stop = max(start_at, time.time()), start_at + seconds  # a late start shortens the window
 
     async def worker() -> None:
         while time.time() < stop:
@@ -69,7 +69,7 @@ async def _loop(store, key: str, requests: list[tuple[int, int]], inflight: int,
 
     await asyncio.sleep(max(0.0, start_at - time.time()))
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(inflight))), seconds + 120)
-    return done
+    return done, stop - begin
 
 
 def run_capacity(job: dict) -> dict:
@@ -83,5 +83,5 @@ def run_capacity(job: dict) -> dict:
         secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], region="us-east-1",
         client_options={"allow_http": True},
     )  # fmt: skip
-    done = asyncio.run(_loop(store, key + ".bin", requests, job["inflight"], job["start_at"], job["seconds"]))
-    return {"requests": done[0], "bytes": done[1], "seconds": job["seconds"]}
+    done, window = asyncio.run(_loop(store, key + ".bin", requests, job["inflight"], job["start_at"], job["seconds"]))
+    return {"requests": done[0], "bytes": done[1], "seconds": window}
