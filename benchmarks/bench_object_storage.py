@@ -296,17 +296,23 @@ def main() -> None:
         with proxy(server) as p:
             env = {**server.env(), "AWS_ENDPOINT_URL": p.endpoint}
             rows = plan(f"s3://{BUCKET}/{name}", args)
-            rounds = [_round(rows, scratch, p, env, batches_file, r) for r in range(args.rounds)]
+            rounds = []
+            for r in range(args.rounds):  # the file is written after each round: a run cut short keeps its rounds
+                rounds.append(_round(rows, scratch, p, env, batches_file, r))
+                report = _report(args, prefix, mix, rows, rounds, started)
+                write_results("object_storage", report, EXTRA, quick=args.quick)
+    print(markdown(report))
+
+
+def _report(args: argparse.Namespace, prefix: str, mix: dict, rows: list[dict], rounds: list[dict], started: float):
     results = combine(rows, rounds)
     digests = {d for k, v in results.items() if v["kind"] != "capacity" for d in v["digests"]}
-    report = {
+    return {
         "latency_s": LATENCY, "seconds": args.seconds, "rounds": args.rounds, "docs": args.docs,
         "tokens": int(os.path.getsize(prefix + ".bin") // 2), "num_samples": args.samples, "batch": B, "seq": S,
         "inflight_per_process": INFLIGHT, **mix, "same_first_batch": len(digests) == 1,
-        "wall_s": round(time.time() - started, 1), "results": results,
+        "rounds_done": len(rounds), "wall_s": round(time.time() - started, 1), "results": results,
     }  # fmt: skip
-    write_results("object_storage", report, EXTRA, quick=args.quick)
-    print(markdown(report))
 
 
 def _cell(stat: dict | None, scale: float = 1.0, fmt: str = "{:.3g}") -> str:
@@ -320,7 +326,7 @@ def markdown(report: dict) -> str:
     rows = [
         f"{report['tokens'] / 1e6:.0f}M-token shard, {report['docs']:,} documents, GPTDataset num_samples "
         f"{report['num_samples']:,}, B={report['batch']}, S={report['seq']}, {report['latency_s'] * 1e3:.0f} ms "
-        f"added per request, {report['rounds']} rounds of {report['seconds']:g} s per row; a sample spans "
+        f"added per request, {report.get('rounds_done', report['rounds'])} rounds of {report['seconds']:g} s per row; a sample spans "
         f"{report['documents_per_sample']:.2f} documents, {report['merged_requests_per_sample']:.2f} requests "
         f"after merging; first batch identical on every loader row: {'yes' if report['same_first_batch'] else 'NO'}.",
         "",
