@@ -183,12 +183,16 @@ def _capacity(job: dict, batches_file: str) -> dict:
         with open(path, "w") as f:
             json.dump(part, f)
         sub = {**job, "index": 0, "processes": 1, "batches_file": path, "start_at": start_at, "inflight": INFLIGHT}
-        procs.append(subprocess.Popen(_command(sub), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(_command(sub), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     answers = []
     for proc in procs:
         out, err = proc.communicate(timeout=job["seconds"] + 300)
         if proc.returncode != 0:
-            raise RuntimeError(f"{job['name']}: process {len(answers)} exited {proc.returncode}:\n{err[-4000:]}{out[-500:]}")
+            raise RuntimeError(
+                f"{job['name']}: process {len(answers)} exited {proc.returncode}:\n{err[-4000:]}{out[-500:]}"
+            )
         answers.append(json.loads(out.strip().splitlines()[-1]))
     per_sample = sum(map(len, batches)) / (len(batches) * B)
     rate = sum(a["requests"] / a["seconds"] for a in answers if a["seconds"] > 0)
@@ -229,8 +233,11 @@ def _round(rows: list[dict], scratch: str, p, env: dict, batches_file: str, r: i
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             result = {"error": str(exc)[-2000:]}
         measured[row["name"]] = result
-        shown = f"{result['tokens_per_s'] / 1e3:9.1f}k tok/s {result['requests_per_sample']:6.2f} req/sample" if (
-            "tokens_per_s" in result) else "FAILED " + result["error"][-300:]
+        shown = (
+            f"{result['tokens_per_s'] / 1e3:9.1f}k tok/s {result['requests_per_sample']:6.2f} req/sample"
+            if ("tokens_per_s" in result)
+            else "FAILED " + result["error"][-300:]
+        )
         print(f"round {r} {row['name']:55s} {shown}", flush=True)
     return measured
 
@@ -323,23 +330,54 @@ def _cell(stat: dict | None, scale: float = 1.0, fmt: str = "{:.3g}") -> str:
 
 def markdown(report: dict) -> str:
     """The table of docs/benchmarks.md (medians, min–max over the rounds)."""
+    done = report.get("rounds_done", report["rounds"])
     rows = [
         f"{report['tokens'] / 1e6:.0f}M-token shard, {report['docs']:,} documents, GPTDataset num_samples "
         f"{report['num_samples']:,}, B={report['batch']}, S={report['seq']}, {report['latency_s'] * 1e3:.0f} ms "
-        f"added per request, {report.get('rounds_done', report['rounds'])} rounds of {report['seconds']:g} s per row; a sample spans "
+        f"added per request, {done} rounds of {report['seconds']:g} s per row; a sample spans "
         f"{report['documents_per_sample']:.2f} documents, {report['merged_requests_per_sample']:.2f} requests "
         f"after merging; first batch identical on every loader row: {'yes' if report['same_first_batch'] else 'NO'}.",
         "",
-        "| Row | tokens/s (k) | requests/sample | ÷ store capacity, same processes | ÷ megatron-core's best | finished |",
+        "| Row | tokens/s (k) | requests/sample | ÷ store capacity, same processes | ÷ megatron-core's best "
+        "| finished |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in report["results"].items():
         rows.append(
-            f"| {name} | {_cell(r.get('tokens_per_s'), 1e-3, '{:.0f}')} | {_cell(r.get('requests_per_sample'), 1, '{:.2f}')} "
+            f"| {name} | {_cell(r.get('tokens_per_s'), 1e-3, '{:.0f}')} "
+            f"| {_cell(r.get('requests_per_sample'), 1, '{:.2f}')} "
             f"| {_cell(r.get('of_store_capacity'), 100, '{:.0f}%')} | {_cell(r.get('to_megatron_best'), 1, '{:.2f}×')} "
             f"| {r['finished']} |"
         )
-    return "\n".join(rows)
+    return "\n".join(rows + _verdict(report))
+
+
+def _verdict(report: dict) -> list[str]:
+    """The sentences the docs quote, from the file: ours against megatron-core's best and the store."""
+    results = report["results"]
+    ours = {k: v for k, v in results.items() if v["kind"] == "ours" and "tokens_per_s" in v}
+    megatron = {k: v for k, v in results.items() if v["kind"] == "megatron" and "tokens_per_s" in v}
+    if not ours or not megatron:
+        return []
+    best_ours = max(ours, key=lambda k: ours[k]["tokens_per_s"]["median"])
+    best_megatron = max(megatron, key=lambda k: megatron[k]["tokens_per_s"]["median"])
+    mine = ours[best_ours]
+    lines = [
+        "",
+        f"Ours' best row ({best_ours.split(', ', 2)[-1]}) against megatron-core's best row of each round: "
+        f"{_cell(mine.get('to_megatron_best'), 1, '{:.2f}×')} (megatron-core's best by median: "
+        f"{best_megatron.split(', ', 1)[-1]}, {megatron[best_megatron]['tokens_per_s']['median'] / 1e3:.0f}k "
+        "tokens/s).",
+    ]
+    capacity = [f"{k.split(', ', 2)[-1]}: {_cell(v.get('of_store_capacity'), 100, '{:.0f}%')}" for k, v in ours.items()]
+    lines.append("Ours as a fraction of the store's capacity at as many processes, " + "; ".join(capacity) + ".")
+    failed = [
+        f"{k} ({v['finished']})"
+        for k, v in results.items()
+        if v["finished"].split("/")[0] != v["finished"].split("/")[1]
+    ]
+    lines.append("Rows that failed in a round: " + (", ".join(failed) if failed else "none") + ".")
+    return lines
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ PAGES = [
         "instruction-data.md",
         "transforms.md",
         "torchft.md",
+        "object-storage.md",
     )
 ]
 BLOCK = re.compile(r"(<!-- generated: ([^>]*?) -->\n)(.*?)(<!-- end -->)", re.DOTALL)
