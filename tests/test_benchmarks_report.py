@@ -18,11 +18,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
+# benchmarks/ goes on the path only while this file imports and runs: it holds a campaign.py that
+# shadows tests/campaign for every later test, and for the worker processes they start (a forkserver
+# started later copies the path it finds: test_campaign's short form then failed in a full run).
+_PATH = list(sys.path)
 sys.path.insert(0, str(BENCH))
 
 import provenance  # noqa: E402
 import report  # noqa: E402
 import run_all  # noqa: E402
+
+sys.path[:] = _PATH
+
+
+@pytest.fixture(autouse=True)
+def _benchmarks_on_the_path():
+    before = list(sys.path)
+    sys.path.insert(0, str(BENCH))
+    yield
+    sys.path[:] = before
+    for name, module in list(sys.modules.items()):  # a benchmarks/ module must not stand for a tests/ one
+        if name == "campaign" and str(getattr(module, "__file__", "")).startswith(str(BENCH)):
+            del sys.modules[name]
 
 
 def test_docs_benchmarks_is_generated_from_the_results():
