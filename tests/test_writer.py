@@ -14,8 +14,7 @@ import numpy
 import pytest
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError, merge_datasets
-from statefulset.shards import idx_format
-from statefulset.shards import writer as writer_module
+from statefulset.shards import idx_format, index_spill
 from statefulset.shards.names import find_prefixes, natural_key
 
 
@@ -150,7 +149,7 @@ def _merge_peak(tmp_path, parts: int, sequences: int) -> int:
 def test_merge_memory_does_not_grow_with_sequences(tmp_path, monkeypatch):
     # Small chunks so that the test corpus spans many of them.
     monkeypatch.setattr(idx_format, "CHUNK", 1 << 14)
-    monkeypatch.setattr(writer_module, "_COPY_BYTES", 1 << 16)
+    monkeypatch.setattr(index_spill, "COPY_BYTES", 1 << 16)
     small = _merge_peak(tmp_path, parts=2, sequences=100_000)
     large = _merge_peak(tmp_path, parts=8, sequences=100_000)
     # 800k sequences would cost ~20 MB of index arrays if they were held; we stay flat.

@@ -1,11 +1,10 @@
 """``IndexedDatasetWriter``: byte-identical to megatron-core's ``IndexedDatasetBuilder``, atomic,
-vectorised, and appending whole shards (``add_index``) in memory that does not grow with the corpus."""
+vectorised, and appending whole shards (``add_index``) in memory that does not grow with the corpus
+(the index waits in an :class:`~statefulset.shards.index_spill.IndexSpill`)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import warnings
 from collections.abc import Sequence
 from types import TracebackType
@@ -14,18 +13,14 @@ from typing import IO, Any
 import numpy
 
 from statefulset.errors import StatefulsetError
-from statefulset.shards import idx_format
+from statefulset.shards import idx_format, index_spill
 from statefulset.shards.direct_io import SequentialWriter
+from statefulset.shards.index_spill import SPILL_EVERY, IndexSpill
 from statefulset.shards.reader import IndexedDataset, _prefix_str
 from statefulset.shards.storage import map_file
 from statefulset.shards.temporaries import hold, release, sweep, temp_path
 
 _INT32_MAX = numpy.iinfo(numpy.int32).max
-# Sequence lengths and boundaries wait in Python lists (fastest per document) only up to this
-# many entries; then they go to anonymous spill files, so memory stays flat however many
-# sequences are written or merged.
-_SPILL_EVERY = 1 << 20
-_COPY_BYTES = 16 << 20
 
 
 def _local_path(prefix: str) -> str:
@@ -103,17 +98,14 @@ class IndexedDatasetWriter:
             sweep(folder, base)  # what writers of this prefix killed earlier left behind
             self._bin = SequentialWriter(self._bin_tmp)
             hold(self._bin_tmp)
-            self._lengths_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
-            self._documents_spill: IO[bytes] = tempfile.TemporaryFile(dir=folder)
-            self._modes_spill: IO[bytes] | None = tempfile.TemporaryFile(dir=folder) if multimodal else None
+            self._index = IndexSpill(folder, self.multimodal)
         except OSError as exc:
             release(self._bin_tmp)
             if os.path.exists(self._bin_tmp):
                 os.remove(self._bin_tmp)
             raise StatefulsetError(f"{self.path_prefix}: cannot write here: {exc}") from exc
-        self._lengths: list[int] = []
-        self._documents: list[int] = []
-        self._modes: list[int] = []
+        # The index's own lists, appended to directly on the per-document path (spilling empties them in place).
+        self._lengths, self._documents, self._modes = self._index.lengths, self._index.documents, self._index.modes
         self.sequence_count = 0
         self.document_count = 0
         self._open_item = False
@@ -189,8 +181,8 @@ class IndexedDatasetWriter:
             self.sequence_count += 1
             self.document_count += 1
             self._documents.append(self.sequence_count)
-            if len(self._documents) >= _SPILL_EVERY:
-                self._spill()
+            if len(self._documents) >= SPILL_EVERY:
+                self._index.spill()
             return
         self._check_open()
         where = f"{self.path_prefix}: document {self.document_count}"
@@ -209,8 +201,8 @@ class IndexedDatasetWriter:
         self.sequence_count += len(new_lengths)
         self.document_count += 1
         self._documents.append(self.sequence_count)
-        if len(self._lengths) >= _SPILL_EVERY or len(self._documents) >= _SPILL_EVERY:
-            self._spill()
+        if len(self._lengths) >= SPILL_EVERY or len(self._documents) >= SPILL_EVERY:
+            self._index.spill()
 
     def _mode_values(self, modes: Any, count: int, where: str) -> list[int]:
         if not self.multimodal:
@@ -243,8 +235,8 @@ class IndexedDatasetWriter:
         self.document_count += 1
         self._documents.append(self.sequence_count)
         self._open_item = False
-        if len(self._lengths) >= _SPILL_EVERY or len(self._documents) >= _SPILL_EVERY:
-            self._spill()
+        if len(self._lengths) >= SPILL_EVERY or len(self._documents) >= SPILL_EVERY:
+            self._index.spill()
 
     def add_documents(
         self,
@@ -276,13 +268,9 @@ class IndexedDatasetWriter:
                 raise StatefulsetError(f"{where}: need {lens.size} modes in [-128, 127]")
         elif modes is not None:
             raise StatefulsetError(f"{where}: modes given, but the writer is not multimodal")
-        self._spill()
         self._bin.write(arr)
-        self._lengths_spill.write(lens.astype(idx_format.LENGTH_DTYPE).tobytes())
         ends = numpy.cumsum(per_doc) + self.sequence_count
-        self._documents_spill.write(ends.astype(idx_format.DOCUMENT_DTYPE).tobytes())
-        if self.multimodal:
-            self._modes_spill.write(mode_values.astype(idx_format.MODE_DTYPE).tobytes())
+        self._index.append_arrays(lens, ends, mode_values if self.multimodal else None)
         self.sequence_count += lens.size
         self.document_count += per_doc.size
 
@@ -291,26 +279,8 @@ class IndexedDatasetWriter:
         token ``value``: a loss-mask shard begun when its token shard is already part-written. Streams
         ``other``'s spilled index in blocks: memory stays flat."""
         self._check_open()
-        other._spill()
-        self._spill()
-        tokens = 0
-        for source, target, shift in (
-            (other._lengths_spill, self._lengths_spill, None),
-            (other._documents_spill, self._documents_spill, self.sequence_count),
-        ):
-            source.flush()
-            offset = 0
-            while block := os.pread(source.fileno(), _COPY_BYTES, offset):
-                offset += len(block)
-                if shift is None:
-                    tokens += int(numpy.frombuffer(block, idx_format.LENGTH_DTYPE).sum(dtype=numpy.int64))
-                    target.write(block)
-                else:
-                    ends = numpy.frombuffer(block, idx_format.DOCUMENT_DTYPE) + shift
-                    target.write(ends.astype(idx_format.DOCUMENT_DTYPE).tobytes())
-        fill = numpy.full(max(min(tokens, _COPY_BYTES), 1), value, dtype=self.dtype)
-        for start in range(0, tokens, fill.size):
-            self._bin.write(fill[: min(fill.size, tokens - start)])
+        tokens = self._index.append_shape_of(other._index, self.sequence_count)
+        self._write_filled(tokens, value)
         self.sequence_count += other.sequence_count
         self.document_count += other.document_count
 
@@ -319,7 +289,7 @@ class IndexedDatasetWriter:
         self._check_open()
         source = IndexedDataset(path_prefix, multimodal=self.multimodal, storage_options=storage_options)
         self._append_index(source.path_prefix, source._arrays)
-        block = bytearray(_COPY_BYTES)  # one reused buffer: fresh pages are what costs here
+        block = bytearray(index_spill.COPY_BYTES)  # one reused buffer: fresh pages are what costs here
         with source._bin_file.open() as f:
             while n := f.readinto(block):
                 self._bin.write(memoryview(block)[:n])
@@ -346,7 +316,11 @@ class IndexedDatasetWriter:
         )  # fmt: skip
         tokens = int(arrays.sequence_lengths.sum(dtype=numpy.int64))
         self._append_index(idx_path, arrays, check_dtype=False)
-        fill = numpy.full(max(min(tokens, _COPY_BYTES), 1), value, dtype=self.dtype)
+        self._write_filled(tokens, value)
+
+    def _write_filled(self, tokens: int, value: int) -> None:
+        """``tokens`` tokens of ``value`` to the ``.bin``, in blocks of ``COPY_BYTES`` tokens at most."""
+        fill = numpy.full(max(min(tokens, index_spill.COPY_BYTES), 1), value, dtype=self.dtype)
         for start in range(0, tokens, fill.size):
             self._bin.write(fill[: min(fill.size, tokens - start)])
 
@@ -357,49 +331,11 @@ class IndexedDatasetWriter:
                 f"{where}: dtype {arrays.header.dtype} differs from {self.dtype} of the merge into "
                 f"{self.path_prefix}; shards of different dtypes cannot be merged"
             )
-        self._spill()
-        lengths, boundaries, chunk = arrays.sequence_lengths, arrays.document_indices, idx_format.CHUNK
-        for start in range(0, lengths.size, chunk):
-            self._lengths_spill.write(lengths[start : start + chunk].tobytes())
-            if self.multimodal:
-                self._modes_spill.write(arrays.sequence_modes[start : start + chunk].tobytes())
-        for start in range(1, boundaries.size, chunk):
-            shifted = boundaries[start : start + chunk] + self.sequence_count
-            self._documents_spill.write(shifted.astype(idx_format.DOCUMENT_DTYPE).tobytes())
-        self.sequence_count += lengths.size
-        self.document_count += boundaries.size - 1
+        self._index.append_index(arrays, self.sequence_count)
+        self.sequence_count += arrays.sequence_lengths.size
+        self.document_count += arrays.document_indices.size - 1
 
     # -- finishing --------------------------------------------------------------------------
-    def _spill(self) -> None:
-        if self._lengths:
-            self._lengths_spill.write(numpy.asarray(self._lengths, idx_format.LENGTH_DTYPE).tobytes())
-            self._lengths.clear()
-        if self._documents:
-            self._documents_spill.write(numpy.asarray(self._documents, idx_format.DOCUMENT_DTYPE).tobytes())
-            self._documents.clear()
-        if self._modes:
-            self._modes_spill.write(numpy.asarray(self._modes, idx_format.MODE_DTYPE).tobytes())
-            self._modes.clear()
-
-    def _write_index(self, out: IO[bytes]) -> None:
-        out.write(idx_format.encode_header(self.dtype, self.sequence_count, self.document_count + 1))
-        self._lengths_spill.seek(0)
-        shutil.copyfileobj(self._lengths_spill, out, _COPY_BYTES)
-        # Pointers are the running byte sum of the lengths, built chunk by chunk with a carry.
-        self._lengths_spill.seek(0)
-        itemsize, carry = self.dtype.itemsize, 0
-        while block := self._lengths_spill.read(idx_format.CHUNK * 4):
-            nbytes = numpy.frombuffer(block, idx_format.LENGTH_DTYPE).astype(numpy.int64) * itemsize
-            ends = numpy.cumsum(nbytes) + carry
-            out.write((ends - nbytes).astype(idx_format.POINTER_DTYPE).tobytes())
-            carry = int(ends[-1])
-        out.write(numpy.zeros(1, idx_format.DOCUMENT_DTYPE).tobytes())
-        self._documents_spill.seek(0)
-        shutil.copyfileobj(self._documents_spill, out, _COPY_BYTES)
-        if self._modes_spill is not None:
-            self._modes_spill.seek(0)
-            shutil.copyfileobj(self._modes_spill, out, _COPY_BYTES)
-
     def close(self) -> None:
         """Write the index and move both files to their final names (bin first, then idx)."""
         if self._closed:
@@ -407,13 +343,13 @@ class IndexedDatasetWriter:
         if self._open_item:
             self.end_document()
         try:
-            self._spill()
+            self._index.spill()
             self._bin.close()
             base = os.path.basename(self.path_prefix)
             self._idx_tmp = temp_path(self._folder, base, "idx")
             with _create(self._idx_tmp) as out:
                 hold(self._idx_tmp)
-                self._write_index(out)
+                self._index.write_index(out, self.dtype, self.sequence_count, self.document_count)
                 out.flush()
                 os.fsync(out.fileno())
             # Remove a previous index first: at no moment can an old .idx pair with a new .bin.
@@ -445,7 +381,5 @@ class IndexedDatasetWriter:
     def _release(self) -> None:
         release(self._bin_tmp)
         release(self._idx_tmp)
-        for spill in (self._lengths_spill, self._documents_spill, self._modes_spill):
-            if spill is not None:
-                spill.close()
+        self._index.close()
         self._closed = True

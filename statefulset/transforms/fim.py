@@ -23,22 +23,28 @@ Randomness comes only from the ``rng`` the loader passes (keyed by spec seed, en
 ``sample_id``), drawn in Megatron-LM's order: the rate, the two cut points, the SPM choice (read
 from its raw stream: :mod:`~statefulset.transforms.fim_draws`). Token mode is index arithmetic
 (:mod:`~statefulset.transforms.fim_tokens`); tokenizer mode runs here. How the document fields and
-``loss_mask`` follow the permuted pieces: docs/transforms.md.
+``loss_mask`` follow the permuted pieces (:mod:`~statefulset.transforms.fim_fields`): docs/transforms.md.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import itertools
 from typing import Any
 
 import numpy
 
 from statefulset.errors import StatefulsetError
 from statefulset.shards.tokenizers import TokenizerSpec
-from statefulset.streams.documents import Pieces, document_fields
 from statefulset.transforms.fim_draws import CallDraws, RawDraws, draws_of
+from statefulset.transforms.fim_fields import (
+    document_of_tokens,
+    pad_document,
+    runs_of,
+    set_document_fields,
+    tail_start,
+    token_mask,
+)
 from statefulset.transforms.fim_text import TextCodec, text_codec
 from statefulset.transforms.fim_tokens import Gathered, token_fim
 from statefulset.transforms.sample import TokenSample
@@ -142,11 +148,11 @@ class FillInTheMiddle:
                 f"FillInTheMiddle: sample {sample.sample_id} ({sample.source}): text has shape {text.shape}, "
                 "not [seq_length + 1]"
             )
-        mask = _token_mask(sample, text.size)
+        mask = token_mask(sample, text.size)
         if mask is None and self.tokenizer is not None:
             mask = numpy.ones(text.size, dtype=numpy.float32)  # padding may come: every sample gets a mask
-        docs = _document_of_tokens(sample, text.size)
-        tail = _tail_start(text, mask)
+        docs = document_of_tokens(sample, text.size)
+        tail = tail_start(text, mask)
         draws = draws_of(rng)
         try:
             if self.codec is None:
@@ -162,7 +168,7 @@ class FillInTheMiddle:
             out = copy.copy(sample)
             out.loss_mask = mask[1:].copy()
             return out
-        return self._rebuilt(sample, got, text.size, _pad_document(docs, tail))
+        return self._rebuilt(sample, got, text.size, pad_document(docs, tail))
 
     def _transform(
         self,
@@ -175,7 +181,7 @@ class FillInTheMiddle:
         """Tokenizer mode: the sample's runs after FIM, in order; whether any segment changed."""
         runs: list[Run] = []
         changed = False
-        for start, end in _runs_of(docs[:tail]):
+        for start, end in runs_of(docs[:tail]):
             doc = int(docs[start])
             for a, b, fim in self._eod_split(text, start, end):
                 segment = (text[a:b], None if mask is None else mask[a:b])
@@ -276,7 +282,7 @@ class FillInTheMiddle:
         if mask is not None:
             out.loss_mask = mask[1:].copy()
         if sample.cu_seqlens is not None:
-            _set_document_fields(out, sample, docs, width - 1)
+            set_document_fields(out, sample, docs, width - 1)
         return out
 
 
@@ -287,71 +293,6 @@ def _joined(runs: list[Run]) -> Gathered:
     masked = runs[0][1] is not None
     mask = numpy.concatenate([r[1] for r in runs]).astype(numpy.float32) if masked else None  # type: ignore[misc]
     return tokens, mask, docs
-
-
-def _set_document_fields(out: TokenSample, sample: TokenSample, docs: numpy.ndarray, seq_length: int) -> None:
-    """``cu_seqlens``, ``max_seqlen``, ``position_ids`` of the permuted documents (statefulset's rule)."""
-    lengths = numpy.array([b - a for a, b in _runs_of(docs)], dtype=numpy.int64)
-    pieces = Pieces(numpy.array([lengths.size]), lengths, numpy.array([seq_length + 1]))
-    fields = document_fields(pieces, seq_length)
-    out.cu_seqlens = fields["cu_seqlens"][0].copy()
-    if sample.max_seqlen is not None:
-        top = fields["max_seqlen"][0]
-        out.max_seqlen = numpy.asarray(top) if isinstance(sample.max_seqlen, numpy.ndarray) else numpy.int32(top)
-    if sample.position_ids is not None:
-        out.position_ids = fields["position_ids"][0].copy()
-
-
-def _runs_of(docs: numpy.ndarray) -> list[tuple[int, int]]:
-    """``(start, end)`` of each run of equal values."""
-    if docs.size == 0:
-        return []
-    cuts = (numpy.flatnonzero(docs[1:] != docs[:-1]) + 1).tolist()
-    bounds = [0, *cuts, int(docs.size)]
-    return list(itertools.pairwise(bounds))
-
-
-def _token_mask(sample: TokenSample, width: int) -> numpy.ndarray | None:
-    """Per token: 1 where it is a label with loss (``loss_mask`` shifted by one); token 0 as token 1."""
-    if sample.loss_mask is None:
-        return None
-    given = numpy.asarray(sample.loss_mask, dtype=numpy.float32)
-    if given.shape != (width - 1,):
-        raise StatefulsetError(
-            f"FillInTheMiddle: sample {sample.sample_id} ({sample.source}): loss_mask has shape {given.shape}, "
-            f"not [{width - 1}] (one per label text[1:])"
-        )
-    mask = numpy.empty(width, dtype=numpy.float32)
-    mask[1:] = given
-    mask[0] = given[0]
-    return mask
-
-
-def _document_of_tokens(sample: TokenSample, width: int) -> numpy.ndarray:
-    """Each of the ``seq_length + 1`` tokens' document, from ``cu_seqlens`` (one document without it)."""
-    if sample.cu_seqlens is None:
-        return numpy.zeros(width, dtype=numpy.int64)
-    cu = numpy.asarray(sample.cu_seqlens, dtype=numpy.int64)
-    starts = numpy.unique(cu[(cu > 0) & (cu < width - 1)])
-    return numpy.searchsorted(starts, numpy.arange(width), side="right").astype(numpy.int64)
-
-
-def _tail_start(text: numpy.ndarray, mask: numpy.ndarray | None) -> int:
-    """Where the sample's padding begins (bestfit's: one value, no loss, to the end): never FIM'd.
-
-    Trailing tokens of other values without loss (a §16 prompt cut by the sample's end) are content.
-    """
-    if mask is None:
-        return text.size
-    content = numpy.flatnonzero((mask != 0) | (text != text[-1]))
-    return int(content[-1]) + 1 if content.size else 0
-
-
-def _pad_document(docs: numpy.ndarray, tail: int) -> int:
-    """The document that added padding joins: the padding segment the sample ends with, else a new one."""
-    if tail < docs.size and (tail == 0 or docs[tail] != docs[tail - 1]) and docs[tail] == docs[-1]:
-        return int(docs[-1])
-    return -1
 
 
 def _part(mask: numpy.ndarray | None, a: int, b: int) -> numpy.ndarray | None:

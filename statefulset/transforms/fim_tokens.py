@@ -156,7 +156,7 @@ def _gather(
         raise StatefulsetError(f"internal: token-mode FIM gave {total} tokens for a sample of {width}")
     index = numpy.arange(width, dtype=numpy.int64) + numpy.repeat(starts - offsets, lengths)[:width]
     tokens = source[index]
-    # Documents are numbered in order (fim._document_of_tokens): one document throughout stays one.
+    # Documents are numbered in order (fim_fields.document_of_tokens): one document throughout stays one.
     one_document = docs[0] == docs[-1]
     out_docs = docs
     if not one_document:

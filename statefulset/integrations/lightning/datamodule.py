@@ -36,12 +36,17 @@ from typing import Any
 import torch.distributed as dist
 
 from statefulset.errors import StatefulsetError, check_int
+from statefulset.integrations.lightning.checkpoint import (
+    FORMAT,
+    VERSION,
+    gather_loader_states,
+    module_state,
+    read_module_state,
+)
 from statefulset.integrations.lightning.stage_loaders import StageLoader, TrainStageLoader
 from statefulset.loading.datasets import get_train_dataset, get_val_dataset
 from statefulset.loading.loader import Loader, SavableLoader, get_loader, get_savable_loader
-from statefulset.loading.state import check_state
 from statefulset.loading.worker_config import WorkerConfig
-from statefulset.parallel.arrival import meet
 from statefulset.spec.model import DatasetSpec, load_spec
 
 
@@ -61,8 +66,6 @@ def _import_lightning() -> Any:
 
 pl = _import_lightning()
 
-FORMAT = "statefulset.datamodule"
-VERSION = 1
 _LOADER_OPTIONS = {
     "prefetch_factor", "pin_memory", "persistent_workers", "multiprocessing_context", "timeout", "stall_seconds"
 }  # fmt: skip
@@ -336,44 +339,6 @@ class StatefulsetDataModule(pl.LightningDataModule):
             handed_out.release_workers()
 
     # -- checkpoint ------------------------------------------------------------------------------
-    def _dp_group(self, dp_size: int) -> Any:
-        if self.data_parallel_group is not None:
-            return self.data_parallel_group
-        if dist.get_world_size() == dp_size:
-            return None
-        try:
-            from megatron.core import parallel_state
-
-            if parallel_state.model_parallel_is_initialized():
-                return parallel_state.get_data_parallel_group()
-        except ImportError:
-            pass
-        raise StatefulsetError(
-            f"StatefulsetDataModule: DP size {dp_size} differs from the world size {dist.get_world_size()}; "
-            "pass data_parallel_group so state_dict() can gather every DP rank's loader state"
-        )
-
-    def _gather_loader_states(self, loader: SavableLoader) -> list[dict[str, Any]]:
-        state = loader.save_state_rank()
-        dp_rank, dp_size = self.data_parallel()
-        if dp_size == 1:
-            return [state]
-        if not (dist.is_available() and dist.is_initialized()):
-            raise StatefulsetError(
-                f"StatefulsetDataModule.state_dict: DP size {dp_size} but torch.distributed is not initialised, "
-                "so the other DP ranks' loader states cannot be collected"
-            )
-        group = self._dp_group(dp_size)
-        if dist.get_world_size(group) != dp_size or dist.get_rank(group) != dp_rank:
-            raise StatefulsetError(
-                f"StatefulsetDataModule.state_dict: DP rank {dp_rank} of {dp_size} does not match the "
-                f"data_parallel_group (rank {dist.get_rank(group)} of {dist.get_world_size(group)})"
-            )
-        meet("StatefulsetDataModule.state_dict", group, loader.collective_timeout)
-        states: list[Any] = [None] * dp_size
-        dist.all_gather_object(states, state, group=group)
-        return states
-
     def state_dict(self) -> dict[str, Any]:
         """Every DP rank's loader state plus BioNeMo's ``consumed_samples``; plain data.
 
@@ -382,18 +347,15 @@ class StatefulsetDataModule(pl.LightningDataModule):
         as ``trainer.save_checkpoint`` and ``ModelCheckpoint`` do.
         """
         if self._train_loader is not None:
-            states: list[dict[str, Any]] | None = self._gather_loader_states(self._train_loader)
+            dp_rank, dp_size = self.data_parallel()
+            states: list[dict[str, Any]] | None = gather_loader_states(
+                self._train_loader, dp_rank, dp_size, self.data_parallel_group
+            )
         elif self._pending is not None and self._pending[0] == "states":
             states = self._pending[1]  # restored, not yet iterated: hand the same states on
         else:
             states = None
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "consumed_samples": self.consumed_samples,
-            "global_step": self._global_step(),
-            "loader_states": states,
-        }
+        return module_state(self.consumed_samples, self._global_step(), states)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore before the training loader is made (Lightning does so when resuming with ``ckpt_path``).
@@ -411,26 +373,8 @@ class StatefulsetDataModule(pl.LightningDataModule):
                 "StatefulsetDataModule.load_state_dict: the training loader has already handed out batches; "
                 "restore into a fresh data module"
             )
-        fmt = state_dict.get("format")
-        if fmt is not None and (fmt != FORMAT or state_dict.get("version") != VERSION):
-            raise StatefulsetError(
-                f"StatefulsetDataModule.load_state_dict: not a {FORMAT} version {VERSION} state "
-                f"(format {fmt!r}, version {state_dict.get('version')!r})"
-            )
-        consumed = state_dict.get("consumed_samples")
-        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
-            raise StatefulsetError(
-                "StatefulsetDataModule.load_state_dict: 'consumed_samples' must be a non-negative int, "
-                f"got {consumed!r}"
-            )
-        states = state_dict.get("loader_states")
+        consumed, states = read_module_state(state_dict)
         if states is not None:
-            if not isinstance(states, list) or not states:
-                raise StatefulsetError(
-                    "StatefulsetDataModule.load_state_dict: 'loader_states' must be a non-empty list of DP-rank states"
-                )
-            for i, state in enumerate(states):
-                check_state(state, f"StatefulsetDataModule.load_state_dict: loader_states[{i}]")
             self._pending = ("states", states)
         else:
             self._pending = ("consumed", consumed)
@@ -441,4 +385,4 @@ class StatefulsetDataModule(pl.LightningDataModule):
         self._train_loader = None  # made, never iterated: make it again from the restored state
 
 
-__all__ = ["StageLoader", "StatefulsetDataModule", "TrainStageLoader"]
+__all__ = ["FORMAT", "VERSION", "StageLoader", "StatefulsetDataModule", "TrainStageLoader"]
