@@ -29,7 +29,7 @@ sys.path.insert(0, HERE)
 
 import report_tables  # noqa: E402
 from provenance import machine_line  # noqa: E402
-from report_tables import load, missing  # noqa: E402
+from report_tables import from_results, load  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 PAGES = [
@@ -62,26 +62,22 @@ def machine(name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def object_storage() -> str:
+@from_results("object_storage", "bench_object_storage")
+def object_storage(record: dict) -> str:
     from bench_object_storage import markdown
 
-    record = load("object_storage")
-    return markdown(record) + "\n" if record else missing("object_storage", "python benchmarks/bench_object_storage.py")
+    return markdown(record) + "\n"
 
 
-def preprocess_ray() -> str:
+@from_results("bench_preprocess_ray")
+def preprocess_ray(record: dict) -> str:
     from bench_preprocess_ray import render
 
-    record = load("bench_preprocess_ray")
-    if record is None:
-        return missing("bench_preprocess_ray", "python benchmarks/bench_preprocess_ray.py")
     return render(record, load("bench_preprocess_ray_400k")) + "\n"
 
 
-def worker_handoff() -> str:
-    record = load("quick_worker_throughput")
-    if record is None:
-        return missing("quick_worker_throughput", "python benchmarks/quick_worker_throughput.py")
+@from_results("quick_worker_throughput")
+def worker_handoff(record: dict) -> str:
     rounds = len(record["tokens_per_s"]["0"]["runs"])
     rows = [f"Shard `{record['prefix']}`, {record['batches']:,} batches per process after the first; "
             f"median (min–max) of {rounds} rounds of fresh processes, the worker counts alternating.", "",
@@ -105,9 +101,10 @@ def _pct(x: float | None) -> str:
 
 def packing(name: str = "bench_packing") -> str:
     """Padding, cut and dropped shares per packing and corpus, each as computed by the script."""
-    record = load(name)
-    if record is None:
-        return missing(name, "python benchmarks/bench_packing.py")
+    return from_results(name, "bench_packing")(_packing)()
+
+
+def _packing(record: dict) -> str:
     rows = ["| corpus | packing | samples | windows | padding | fitting documents cut | tokens dropped |",
             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for kind, entry in record["corpora"].items():
@@ -123,11 +120,9 @@ def packing(name: str = "bench_packing") -> str:
     return "\n".join(rows) + "\n"
 
 
-def schedules() -> str:
+@from_results("bench_schedules")
+def schedules(record: dict) -> str:
     """Open, batch and memory per position of a 10 x 50 schedule; megatron-core's blend index beside it."""
-    record = load("bench_schedules")
-    if record is None:
-        return missing("bench_schedules", "python benchmarks/bench_schedules.py")
 
     def ms(cell) -> str:
         if isinstance(cell, dict):
@@ -166,11 +161,9 @@ def _schedules_verdict(record: dict) -> list[str]:
             f"{'met' if peak < 10 else 'missed'})."]  # fmt: skip
 
 
-def request_cpu() -> str:
+@from_results("bench_request_cpu")
+def request_cpu(record: dict) -> str:
     """CPU per ranged GET of each client and of the loopback server, and what one core could issue."""
-    record = load("bench_request_cpu")
-    if record is None:
-        return missing("bench_request_cpu", "python benchmarks/bench_request_cpu.py")
     from bench_request_cpu import markdown
 
     cpu = {c: r["client_cpu_ms"]["median"] for c, r in record["per_request"].items()}
@@ -189,11 +182,9 @@ def request_cpu() -> str:
     ]) + "\n"  # fmt: skip
 
 
-def worker_start() -> str:
+@from_results("bench_worker_start")
+def worker_start(record: dict) -> str:
     """First batch and steady rate per start method (bench_worker_start.py), medians with spread."""
-    record = load("bench_worker_start")
-    if record is None:
-        return missing("bench_worker_start", "python benchmarks/bench_worker_start.py")
     runs = record["runs"]
     fork = record["median"]["fork"]
     rows = [f"Median of {len(runs['fork'])} fresh processes per method, the order rotated; the spread (min–max) "
@@ -211,11 +202,9 @@ def worker_start() -> str:
     return "\n".join(rows) + "\n"
 
 
-def object_assembly() -> str:
+@from_results("bench_object_assembly")
+def object_assembly(record: dict) -> str:
     """Merging parts on S3: by the store against download + upload (bench_object_assembly.py)."""
-    record = load("bench_object_assembly")
-    if record is None:
-        return missing("bench_object_assembly", "python benchmarks/bench_object_assembly.py")
     total = record["parts"] * record["part_bytes"] / 2**20
     rows = [f"| merge ({total:,.0f} MiB, {record['parts']} parts) | s | MiB through the driver | local disk MiB |",
             "|---|---|---|---|"]  # fmt: skip
@@ -233,11 +222,9 @@ def object_assembly() -> str:
     return "\n".join(rows) + "\n"
 
 
-def long_lines() -> str:
+@from_results("bench_long_lines")
+def long_lines(record: dict) -> str:
     """One long JSON line read by ``span_chunks`` against ``readline`` (bench_long_lines.py)."""
-    record = load("bench_long_lines")
-    if record is None:
-        return missing("bench_long_lines", "python benchmarks/bench_long_lines.py")
     rows = ["| reader | s | vs readline |", "|---|---|---|"]
     anchor = record["rows"]["readline (anchor)"]["seconds"]
     for name, r in record["rows"].items():
@@ -254,11 +241,9 @@ def long_lines() -> str:
     return "\n".join(rows) + "\n"
 
 
-def scale() -> str:
+@from_results("bench_scale")
+def scale(record: dict) -> str:
     """Opens of a 100B-token corpus by fresh processes, warm and cold page cache (bench_scale.py)."""
-    record = load("bench_scale")
-    if record is None:
-        return missing("bench_scale", "python benchmarks/bench_scale.py")
     rows = ["| Case | wall, s | CPU, s | RSS growth, MB | peak RSS growth, MB |", "|---|---|---|---|---|"]
     cold = any("cold page cache" in name for name in record["rows"])
     for name, r in record["rows"].items():
@@ -278,11 +263,9 @@ def _spread(stat: dict, scale: float = 1.0, digits: int = 0) -> str:
     return f"{mid} [{low} .. {high}]"
 
 
-def torchtitan() -> str:
+@from_results("bench_torchtitan")
+def torchtitan(record: dict) -> str:
     """StatefulsetDataLoader against torchtitan's HuggingFaceTextDataLoader (bench_torchtitan.py)."""
-    record = load("bench_torchtitan")
-    if record is None:
-        return missing("bench_torchtitan", "python benchmarks/bench_torchtitan.py")
     s = record["settings"]
     runs = len(record["loaders"]["statefulset"]["tokens_per_s"]["runs"])
     rows = [
@@ -298,11 +281,9 @@ def torchtitan() -> str:
     return "\n".join(rows) + "\n"
 
 
-def torchft() -> str:
+@from_results("bench_torchft")
+def torchft(record: dict) -> str:
     """FaultTolerantLoader against the plain savable loader (bench_torchft.py)."""
-    record = load("bench_torchft")
-    if record is None:
-        return missing("bench_torchft", "python benchmarks/bench_torchft.py")
     b, runs = record["batch"], len(record["tokens_per_second_runs"]["plain"])
     tps, change = record["tokens_per_second"], record["change"]
     stable = "met" if record["stable_ratio"]["median"] >= 0.90 else "not met"

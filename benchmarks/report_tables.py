@@ -8,9 +8,11 @@ repeating the old figure.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -32,15 +34,31 @@ def missing(name: str, command: str) -> str:
     return f"Not recorded: `benchmarks/results/{name}.json` does not exist yet; to measure, run `{command}`.\n"
 
 
+def from_results(name: str, script: str | None = None) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """A generator made from ``benchmarks/results/<name>.json``: the decorated function receives the loaded
+    record before its block's arguments. When the file does not exist, the block says so and names the
+    command that makes it (``python benchmarks/<script>.py``; ``script`` defaults to ``name``)."""
+
+    def decorate(make: Callable[..., str]) -> Callable[..., str]:
+        @functools.wraps(make)
+        def generate(*args: str) -> str:
+            record = load(name)
+            if record is None:
+                return missing(name, f"python benchmarks/{script or name}.py")
+            return make(record, *args)
+
+        return generate
+
+    return decorate
+
+
 def _mmm(stat: dict, scale: float = 1.0, digits: int = 2) -> str:
     return f"{stat['median'] * scale:,.{digits}f} ({stat['min'] * scale:,.{digits}f}–{stat['max'] * scale:,.{digits}f})"
 
 
-def write() -> str:
+@from_results("bench_write")
+def write(record: dict) -> str:
     """Writing 1M documents: statefulset's writers against megatron-core's builder (bench_write.py)."""
-    record = load("bench_write")
-    if record is None:
-        return missing("bench_write", "python benchmarks/bench_write.py")
     from bench_write import FLOORS, LABELS, table_row
 
     s = record["summary"]
@@ -64,11 +82,9 @@ def write() -> str:
     return "\n".join(rows) + "\n"
 
 
-def read() -> str:
+@from_results("bench_read")
+def read(record: dict) -> str:
     """Random sequence reads: statefulset's IndexedDataset against megatron-core's (bench_read.py)."""
-    record = load("bench_read")
-    if record is None:
-        return missing("bench_read", "python benchmarks/bench_read.py")
     from bench_read import LABELS, READERS
 
     s = record["summary"]
@@ -87,11 +103,9 @@ def read() -> str:
     return "\n".join(rows) + "\n"
 
 
-def preprocess() -> str:
+@from_results("bench_preprocess")
+def preprocess(record: dict) -> str:
     """JSON lines to bin/idx against Megatron-LM's preprocess_data.py loop (bench_preprocess.py)."""
-    record = load("bench_preprocess")
-    if record is None:
-        return missing("bench_preprocess", "python benchmarks/bench_preprocess.py")
     rows = ["Best run of each configuration (the script's headline), then the median (min–max) of its runs.", "",
             "| Tokenizer | Workers | Anchor, s: best; median (min–max) | Anchor docs/s | Ours, s: best; median "
             "(min–max) | Ours docs/s | Ours tokens/s | Ours / anchor | Ours, 1 thread: docs/s (ratio) "
@@ -107,31 +121,25 @@ def preprocess() -> str:
     return "\n".join(rows) + "\n"
 
 
-def loader() -> str:
+@from_results("bench_loader")
+def loader(record: dict) -> str:
     """Resume, state size and throughput against torchdata's StatefulDataLoader (bench_loader.py)."""
-    record = load("bench_loader")
-    if record is None:
-        return missing("bench_loader", "python benchmarks/bench_loader.py")
     from bench_loader import tables
 
     return tables(record)
 
 
-def stream(part: str) -> str:
+@from_results("bench_stream")
+def stream(record: dict, part: str) -> str:
     """One part (build, native, firstuse, batch) of bench_stream.py's tables."""
-    record = load("bench_stream")
-    if record is None:
-        return missing("bench_stream", "python benchmarks/bench_stream.py")
     from bench_stream import part_markdown
 
     return part_markdown({**record, **record["summary"]}, part) + "\n"
 
 
-def worker_pool() -> str:
+@from_results("bench_worker_pool")
+def worker_pool(record: dict) -> str:
     """preprocess --workers 2 with our pool, loky and one process (bench_worker_pool.py)."""
-    record = load("bench_worker_pool")
-    if record is None:
-        return missing("bench_worker_pool", "python benchmarks/bench_worker_pool.py")
     executors = list(dict.fromkeys(r["executor"] for r in record["rows"]))
     load_after = record.get("load_average_after") or (record.get("provenance") or {}).get("load_average")
     rows = [f"Median [min .. max] of {record['runs']} interleaved runs, seconds, {record['workers']} workers"
@@ -151,11 +159,9 @@ def _sig(x: float) -> str:
     return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
 
 
-def collectives() -> str:
+@from_results("bench_collectives")
+def collectives(record: dict) -> str:
     """save_state_global / restore_state_global against the object collectives (bench_collectives.py)."""
-    record = load("bench_collectives")
-    if record is None:
-        return missing("bench_collectives", "python benchmarks/bench_collectives.py")
     from bench_collectives import markdown
 
     return markdown(record) + "\n"
@@ -177,11 +183,9 @@ def concurrent_open() -> str:
     return "\n".join(rows) + "\n"
 
 
-def metrics() -> str:
+@from_results("bench_metrics")
+def metrics(record: dict) -> str:
     """Throughput with metrics() read every step or every 10th against never (bench_metrics.py)."""
-    record = load("bench_metrics")
-    if record is None:
-        return missing("bench_metrics", "python benchmarks/bench_metrics.py")
     runs = len(next(iter(record["sizes"].values()))["batches_per_second_runs"]["never_read"])
     rows = [f"{record['workers']} workers, {record['batches_per_run']:,} batches a run; median (min–max) of {runs} "
             "runs; ratios of the medians, and of blocks that read and blocks that do not alternating in one loader.",
@@ -198,11 +202,9 @@ def metrics() -> str:
     return "\n".join(rows) + "\n"
 
 
-def loss_masks() -> str:
+@from_results("bench_loss_masks")
+def loss_masks(record: dict) -> str:
     """Batch assembly with a mask shard against without, per packing; preprocess of segments (bench_loss_masks.py)."""
-    record = load("bench_loss_masks")
-    if record is None:
-        return missing("bench_loss_masks", "python benchmarks/bench_loss_masks.py")
     a = record["arguments"]
     rows = [f"Batches of {a['batch_size']} × {a['seq_length'] + 1}, {a['batches']:,} batches a run; median (min–max) "
             f"of {a['runs']} runs, plain and masked alternating.", "",
@@ -220,11 +222,9 @@ def loss_masks() -> str:
     return "\n".join(rows) + "\n"
 
 
-def task_encoder() -> str:
+@from_results("bench_task_encoder")
+def task_encoder(record: dict) -> str:
     """Tokens/s with a task encoder against none, the rounds alternating (bench_task_encoder.py)."""
-    record = load("bench_task_encoder")
-    if record is None:
-        return missing("bench_task_encoder", "python benchmarks/bench_task_encoder.py")
     c, t, q = record["config"], record["tokens_per_s"], record["ratio_to_none"]
     labels = {"none": "no encoder", "identity": "identity encoder", "rng": "drawing from the keyed `rng`",
               "identity_keyed": "identity under `@stateless(restore_seeds=True)`"}  # fmt: skip
@@ -237,11 +237,9 @@ def task_encoder() -> str:
     return "\n".join(rows) + "\n"
 
 
-def fim() -> str:
+@from_results("bench_fim")
+def fim(record: dict) -> str:
     """FIM in token and tokenizer mode against no encoder; tokenizer mode per sample (bench_fim.py)."""
-    record = load("bench_fim")
-    if record is None:
-        return missing("bench_fim", "python benchmarks/bench_fim.py")
     t, q, s = record["tokens_per_s"], record["over_no_encoder"], record["tokenizer_mode_per_sample"]
     labels = {"none": "no encoder", "fim_tokens": "FIM, token mode", "fim_tokenizer": "FIM, tokenizer mode"}
     rows = [f"{record['documents']:,} documents, {record['batches']:,} batches a run; median (min–max) of "
