@@ -102,7 +102,9 @@ def bin_sample(bin_file: Any) -> str:
     """
     offsets, sizes = sample_ranges(bin_file.size)
     digest = hashlib.blake2b(_SAMPLE_KEY + bin_file.size.to_bytes(8, "little"), digest_size=16)
-    for block in bin_file.read_ranges(offsets, sizes):
+    # Read without starting obstore's runtime: the trainer that opens a dataset forks its DataLoader
+    # workers afterwards, and a worker forked from a process running it cannot use obstore.
+    for block in bin_file.read_ranges(offsets, sizes, fork_safe=True):
         digest.update(block)
     return digest.hexdigest()
 

@@ -214,12 +214,14 @@ class RemoteFile:
     def read(self, offset: int, nbytes: int) -> bytes:
         return self.read_ranges([offset], [nbytes])[0]
 
-    def read_ranges(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
-        """The bytes of every range, with the fewest requests, all in flight at once."""
+    def read_ranges(self, offsets: list[int], sizes: list[int], fork_safe: bool = False) -> list[bytes]:
+        """The bytes of every range, with the fewest requests, all in flight at once. ``fork_safe``: a
+        one-off read (a shard's identity at open) that must not start obstore's runtime in this process,
+        which would leave every DataLoader worker forked from it on s3fs (see :mod:`obstore_client`)."""
         if not offsets:
             return []
         if self._s3:
-            blocks, requests, which = self._read_s3(offsets, sizes)
+            blocks, requests, which = self._read_s3(offsets, sizes, fork_safe)
         else:
             requests, which = coalesce(offsets, sizes)
             blocks = self._read_fsspec(requests)
@@ -235,9 +237,11 @@ class RemoteFile:
             out.append(data)
         return out
 
-    def _read_s3(self, offsets: list[int], sizes: list[int]) -> tuple[list[bytes], list[tuple[int, int]], list[int]]:
+    def _read_s3(
+        self, offsets: list[int], sizes: list[int], fork_safe: bool = False
+    ) -> tuple[list[bytes], list[tuple[int, int]], list[int]]:
         """Pinned, limited, one-by-one retried GETs (:mod:`statefulset.shards.ranged_reads`)."""
-        fast = self._fast and obstore_client.usable()
+        fast = self._fast and obstore_client.usable() and not (fork_safe and not obstore_client.started_here())
         if fast:
             import fsspec.asyn
 

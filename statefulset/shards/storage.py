@@ -140,10 +140,11 @@ class ShardFile:
     def read(self, offset: int, nbytes: int) -> bytes:
         return self.read_ranges([offset], [nbytes])[0] if nbytes else b""
 
-    def read_ranges(self, offsets: list[int], sizes: list[int]) -> list[bytes]:
-        """The bytes of each range (remote: coalesced, concurrent requests)."""
+    def read_ranges(self, offsets: list[int], sizes: list[int], fork_safe: bool = False) -> list[bytes]:
+        """The bytes of each range (remote: coalesced, concurrent requests; ``fork_safe``: see
+        :meth:`statefulset.shards.remote.RemoteFile.read_ranges`)."""
         if self.remote is not None:
-            return self.remote.read_ranges(offsets, sizes)
+            return self.remote.read_ranges(offsets, sizes, fork_safe)
         out = []
         try:
             with open(self._local, "rb") as f:  # type: ignore[arg-type]
