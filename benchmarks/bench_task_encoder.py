@@ -9,10 +9,14 @@ the workers are started and warm):
   as one shared-memory block (statefulset.loading.encoded);
 - ``identity_keyed``: the same under ``@stateless(restore_seeds=True)`` (the three global RNGs
   saved, seeded and restored per sample);
-- ``rng``: ``encode_sample(self, sample, rng)`` drawing one number from the keyed generator.
+- ``rng``: ``encode_sample(self, sample, rng)`` drawing one number from the keyed generator;
+- ``fim``: ``statefulset.transforms.FillInTheMiddle`` in token mode (rate 0.5, SPM rate 0.5, the
+  corpus's EOD token splitting segments; sentinels just above the vocabulary), as Megatron-LM's
+  ``--fim-rate 0.5 --fim-spm-rate 0.5`` (the loader's compiled micro-batch path).
 
 The variants alternate (A B C D A B C D ...), ``--repeats`` rounds; median tokens/s with min and
-max, and each variant's ratio to ``none`` per round. Issue 27 asks identity >= 90% of none.
+max, and each variant's ratio to ``none`` per round. Issue 27 asks identity >= 90% of none and FIM
+(token mode) >= 50%.
 
     python benchmarks/bench_task_encoder.py            # full size
     python benchmarks/bench_task_encoder.py --quick    # smoke run (20,000 documents, 100 batches)
@@ -30,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-VARIANTS = ("none", "identity", "identity_keyed", "rng")
+VARIANTS = ("none", "identity", "identity_keyed", "rng", "fim")
 BATCH, SEQ, WORKERS = 8, 2048, 2
 
 
@@ -52,10 +56,19 @@ class DrawsFromRng:
         return sample
 
 
+def fill_in_the_middle():
+    from corpus import EOD
+
+    from statefulset.transforms import FillInTheMiddle
+
+    return FillInTheMiddle(0.5, 0.5, EOD + 1, EOD + 2, EOD + 3, EOD + 4, eod_id=EOD)
+
+
 def child(prefix: str, variant: str, batches: int) -> float:
     from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 
-    encoder = {"none": None, "identity": Identity, "identity_keyed": IdentityKeyed, "rng": DrawsFromRng}[variant]
+    encoder = {"none": None, "identity": Identity, "identity_keyed": IdentityKeyed, "rng": DrawsFromRng,
+               "fim": fill_in_the_middle}[variant]  # fmt: skip
     spec = {"data_path": prefix, "seq_length": SEQ, "split": "100,0,0", "packing": "native", "seed": 3}
     wc = WorkerConfig(rank=0, world_size=1, num_workers=WORKERS)
     ds = get_train_dataset(spec, batch_size=BATCH, worker_config=wc, task_encoder=encoder() if encoder else None)

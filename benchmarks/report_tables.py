@@ -227,7 +227,8 @@ def task_encoder(record: dict) -> str:
     """Tokens/s with a task encoder against none, the rounds alternating (bench_task_encoder.py)."""
     c, t, q = record["config"], record["tokens_per_s"], record["ratio_to_none"]
     labels = {"none": "no encoder", "identity": "identity encoder", "rng": "drawing from the keyed `rng`",
-              "identity_keyed": "identity under `@stateless(restore_seeds=True)`"}  # fmt: skip
+              "identity_keyed": "identity under `@stateless(restore_seeds=True)`",
+              "fim": "`FillInTheMiddle`, token mode (rate 0.5, SPM 0.5, EOD segments)"}  # fmt: skip
     rows = [f"Micro-batches of {c['batch_size']} × {c['seq_length'] + 1}, {c['workers']} workers, {c['batches']:,} "
             f"batches a run; median (min–max) of {len(t['none']['runs'])} rounds, the encoders alternating.", "",
             "| encoder | tokens/s | ÷ no encoder, per round |", "|---|---|---|"]  # fmt: skip

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SF_KERNELS_ABI 7
+#define SF_KERNELS_ABI 8
 
 /* The walk reads lengths[] at random (one read per document_index entry): ask for the entry
  * SF_PREFETCH_AHEAD positions on early. Only a hint, it never changes a result; ~30% faster on
@@ -746,4 +746,338 @@ int64_t sf_gather_masked(const int64_t *packed, void *out, float *label) {
         for (int64_t c = u > 1 ? u : 1; c < width; c++) row[c - 1] = 0.0f;
     }
     return 0;
+}
+
+/*
+ * Fill-in-the-middle in token mode over a micro-batch, in place (statefulset.transforms.fim_rows):
+ * the rules and draws of statefulset.transforms.fim_tokens, bit for bit, for rows whose draws come
+ * from numpy's Philox keyed by (sample id, rng key) with counter 0 and an empty buffer (what the
+ * loader's keyed generator is at the start of each encode_sample call).
+ */
+
+/* numpy's Philox4x64-10 (Random123): its 64-bit outputs in order, and its buffered 32-bit halves. */
+typedef struct {
+    uint64_t ctr[4], key[2], buffer[4];
+    int pos, has32;
+    uint32_t u32;
+} sf_philox;
+
+static inline uint64_t sf_mulhilo(uint64_t a, uint64_t b, uint64_t *hi) {
+#if defined(__SIZEOF_INT128__)
+    unsigned __int128 product = (unsigned __int128)a * b;
+    *hi = (uint64_t)(product >> 64);
+    return (uint64_t)product;
+#else
+    uint64_t a0 = a & 0xFFFFFFFFULL, a1 = a >> 32, b0 = b & 0xFFFFFFFFULL, b1 = b >> 32;
+    uint64_t p00 = a0 * b0, p01 = a0 * b1, p10 = a1 * b0, p11 = a1 * b1;
+    uint64_t middle = (p00 >> 32) + (p01 & 0xFFFFFFFFULL) + (p10 & 0xFFFFFFFFULL);
+    *hi = p11 + (p01 >> 32) + (p10 >> 32) + (middle >> 32);
+    return a * b;
+#endif
+}
+
+static uint64_t sf_philox_next(sf_philox *g) {
+    if (g->pos < 4) return g->buffer[g->pos++];
+    if (++g->ctr[0] == 0 && ++g->ctr[1] == 0 && ++g->ctr[2] == 0) ++g->ctr[3];
+    uint64_t c0 = g->ctr[0], c1 = g->ctr[1], c2 = g->ctr[2], c3 = g->ctr[3], k0 = g->key[0], k1 = g->key[1];
+    for (int round = 0; round < 10; round++) {
+        if (round > 0) {
+            k0 += 0x9E3779B97F4A7C15ULL;
+            k1 += 0xBB67AE8584CAA73BULL;
+        }
+        uint64_t hi0, hi1;
+        uint64_t lo0 = sf_mulhilo(0xD2E7470EE14C6C93ULL, c0, &hi0);
+        uint64_t lo1 = sf_mulhilo(0xCA5A826395121157ULL, c2, &hi1);
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+    }
+    g->buffer[0] = c0, g->buffer[1] = c1, g->buffer[2] = c2, g->buffer[3] = c3;
+    g->pos = 1;
+    return c0;
+}
+
+static inline uint32_t sf_philox_next32(sf_philox *g) {
+    if (g->has32) {
+        g->has32 = 0;
+        return g->u32;
+    }
+    uint64_t value = sf_philox_next(g);
+    g->has32 = 1;
+    g->u32 = (uint32_t)(value >> 32);
+    return (uint32_t)value;
+}
+
+#define SF_FIM_TRIES 256 /* redraws before giving up: each is accepted with probability >= 1/2 */
+
+/* Generator.binomial(1, p) (numpy's inversion; p given with qn and second for min(p, 1 - p), as
+ * fim_draws computes them): 0 or 1, or -1 after SF_FIM_TRIES rejections (never, for real rates). */
+static int sf_binomial(sf_philox *g, const double *rate) {
+    double p = rate[0], qn = rate[1], second = rate[2];
+    if (p == 0.0) return 0;
+    int x = 0, tries = 0;
+    double px = qn, u = (double)(sf_philox_next(g) >> 11) * (1.0 / 9007199254740992.0);
+    while (u > px) {
+        x++;
+        if (x > 1) {
+            if (++tries > SF_FIM_TRIES) return -1;
+            x = 0;
+            px = qn;
+            u = (double)(sf_philox_next(g) >> 11) * (1.0 / 9007199254740992.0);
+        } else {
+            u -= px;
+            px = second;
+        }
+    }
+    return p <= 0.5 ? x : 1 - x;
+}
+
+/* numpy's buffered_bounded_lemire_uint32 for 0..r (r < 2**32 - 1); -1 after SF_FIM_TRIES rejections. */
+static int64_t sf_bounded(sf_philox *g, uint64_t r) {
+    uint64_t excl = r + 1, m = (uint64_t)sf_philox_next32(g) * excl;
+    uint32_t left = (uint32_t)m;
+    if (left < excl) {
+        uint32_t threshold = (uint32_t)((0xFFFFFFFFULL - r) % excl);
+        int tries = 0;
+        while (left < threshold) {
+            if (++tries > SF_FIM_TRIES) return -1;
+            m = (uint64_t)sf_philox_next32(g) * excl;
+            left = (uint32_t)m;
+        }
+    }
+    return (int64_t)(m >> 32);
+}
+
+/* One row's walk: its input (text, token mask or NULL, token documents, with room for the three
+ * sentinels after width), its pieces (ranges of that input) and its FIMs. */
+typedef struct {
+    const int64_t *params;
+    const double *rates;   /* rate, fragment_rate, spm_rate: (p, qn, second) each */
+    const int64_t *no_prefix;
+    int64_t width, tail, npieces, nfims, at_split, nsplits;
+    int64_t *src, *docs, *starts, *lengths, *fims, *splits; /* fims: (first piece, spm, doc) */
+    float *mask, *values; /* values: each FIM's sentinel mask value */
+    sf_philox g;
+} sf_fim_row;
+
+/* params: rows, width, rng key, prefix, middle, suffix, has eod, eod, has split, split, no-prefix length. */
+#define SF_FIM_PARAMS 11
+
+static void sf_fim_keep(sf_fim_row *w, int64_t a, int64_t b) {
+    if (b <= a) return;
+    int64_t n = w->npieces;
+    if (n > 0 && w->starts[n - 1] + w->lengths[n - 1] == a) {
+        w->lengths[n - 1] += b - a;
+        return;
+    }
+    w->starts[n] = a;
+    w->lengths[n] = b - a;
+    w->npieces = n + 1;
+}
+
+/* FIM [a, b) with probability rates[0..2]: 1 if FIM'd, 0 if kept, -1 on a failed draw. */
+static int sf_fim_permute(sf_fim_row *w, int64_t a, int64_t b, int64_t doc, const double *rate) {
+    int hit = sf_binomial(&w->g, rate);
+    if (hit <= 0) {
+        sf_fim_keep(w, a, b);
+        return hit;
+    }
+    int64_t np = w->params[10];
+    if (np > 0 && b - a >= np) {
+        int64_t k = 0;
+        while (k < np && w->src[a + k] == w->no_prefix[k]) k++;
+        if (k == np) {
+            sf_fim_keep(w, a, b);
+            return 0;
+        }
+    }
+    uint64_t n = (uint64_t)(b - a);
+    int64_t lo = sf_bounded(&w->g, n), hi = sf_bounded(&w->g, n);
+    if (lo < 0 || hi < 0) return -1;
+    if (lo > hi) {
+        int64_t t = lo;
+        lo = hi;
+        hi = t;
+    }
+    int spm = sf_binomial(&w->g, w->rates + 6);
+    if (spm < 0) return -1;
+    float value = 1.0f;
+    if (w->mask != NULL) { /* numpy's max: NaN if any is NaN */
+        value = w->mask[a];
+        for (int64_t t = a + 1; t < b && value == value; t++)
+            if (w->mask[t] > value || w->mask[t] != w->mask[t]) value = w->mask[t];
+    }
+    int64_t f = w->nfims++, p = w->npieces, x = w->width;
+    w->fims[3 * f] = p, w->fims[3 * f + 1] = spm, w->fims[3 * f + 2] = doc;
+    w->values[f] = value;
+    int64_t psm_starts[6] = {x, a, x + 2, a + hi, x + 1, a + lo}, psm_lengths[6] = {1, lo, 1, (b - a) - hi, 1, hi - lo};
+    int64_t spm_starts[6] = {x, x + 2, a + hi, x + 1, a, a + lo}, spm_lengths[6] = {1, 1, (b - a) - hi, 1, lo, hi - lo};
+    memcpy(w->starts + p, spm ? spm_starts : psm_starts, sizeof psm_starts);
+    memcpy(w->lengths + p, spm ? spm_lengths : psm_lengths, sizeof psm_lengths);
+    w->npieces = p + 6;
+    return 1;
+}
+
+/* A segment [a, b), split at the split token when it holds one (Megatron-LM's rule). */
+static int sf_fim_segment(sf_fim_row *w, int64_t a, int64_t b, int64_t doc) {
+    while (w->at_split < w->nsplits && w->splits[w->at_split] < a) w->at_split++;
+    if (w->at_split == w->nsplits || w->splits[w->at_split] >= b) return sf_fim_permute(w, a, b, doc, w->rates);
+    int hit = sf_binomial(&w->g, w->rates);
+    if (hit <= 0) {
+        if (hit == 0) sf_fim_keep(w, a, b);
+        return hit;
+    }
+    int changed = 0;
+    for (int64_t current = a;;) {
+        int64_t loc = w->at_split < w->nsplits && w->splits[w->at_split] < b ? w->splits[w->at_split++] : b;
+        if (loc > current) { /* an empty fragment is no FIM */
+            int got = sf_fim_permute(w, current, loc, doc, w->rates + 3);
+            if (got < 0) return -1;
+            changed |= got;
+        }
+        if (loc == b) return changed;
+        sf_fim_keep(w, loc, loc + 1);
+        current = loc + 1;
+    }
+}
+
+/* The row's walk over its documents' runs in [0, tail), EOD tokens kept in place: 1 if a segment
+ * changed, 0 if none did, -1 on a failed draw. */
+static int sf_fim_walk(sf_fim_row *w) {
+    const int64_t *params = w->params;
+    int changed = 0;
+    for (int64_t start = 0, end; start < w->tail; start = end) {
+        int64_t doc = w->docs[start], current = start;
+        for (end = start + 1; end < w->tail && w->docs[end] == doc;) end++;
+        for (int64_t loc = start; params[6] && loc < end; loc++) {
+            if (w->src[loc] != params[7]) continue;
+            if (loc > current) {
+                int got = sf_fim_segment(w, current, loc, doc);
+                if (got < 0) return -1;
+                changed |= got;
+            }
+            sf_fim_keep(w, loc, loc + 1);
+            current = loc + 1;
+        }
+        if (end > current) {
+            int got = sf_fim_segment(w, current, end, doc);
+            if (got < 0) return -1;
+            changed |= got;
+        }
+    }
+    return changed;
+}
+
+/* The FIM'd row gathered from its pieces: tokens into text, mask values (after the first) into label,
+ * and the documents' run lengths into runs (their count returned). */
+static int64_t sf_fim_gather(sf_fim_row *w, int64_t *text, float *label, int64_t *out_docs, float *out_mask,
+                             int64_t *runs) {
+    int64_t width = w->width, o = 0, f = -1;
+    for (int64_t k = 0; k < w->npieces && o < width; k++) {
+        while (f + 1 < w->nfims && w->fims[3 * (f + 1)] <= k) f++;
+        int64_t s = w->starts[k], n = w->lengths[k];
+        if (n <= 0) continue; /* an empty piece (a cut at a segment's end) */
+        if (n > width - o) n = width - o;
+        if (s >= width) { /* a sentinel: its FIM's document and mask value */
+            text[o] = w->src[s];
+            out_docs[o] = w->fims[3 * f + 2];
+            if (out_mask != NULL) out_mask[o] = w->values[f];
+            o += n;
+            continue;
+        }
+        memcpy(text + o, w->src + s, (size_t)n * sizeof(int64_t));
+        memcpy(out_docs + o, w->docs + s, (size_t)n * sizeof(int64_t));
+        if (out_mask != NULL) memcpy(out_mask + o, w->mask + s, (size_t)n * sizeof(float));
+        o += n;
+    }
+    if (label != NULL) memcpy(label, out_mask + 1, (size_t)(width - 1) * sizeof(float));
+    int64_t count = 0;
+    for (int64_t start = 0, end; start < width; start = end) {
+        for (end = start + 1; end < width && out_docs[end] == out_docs[start];) end++;
+        runs[count++] = end - start;
+    }
+    return count;
+}
+
+/* Row r's input into w: source tokens (sentinels after them), token mask, documents, tail, splits. */
+static void sf_fim_load(sf_fim_row *w, const int64_t *text, const float *label, const int32_t *cu, int64_t cu_width) {
+    const int64_t *params = w->params;
+    int64_t width = w->width;
+    memcpy(w->src, text, (size_t)width * sizeof(int64_t));
+    w->src[width] = params[3], w->src[width + 1] = params[4], w->src[width + 2] = params[5];
+    w->tail = width;
+    if (w->mask != NULL) {
+        w->mask[0] = label[0];
+        memcpy(w->mask + 1, label, (size_t)(width - 1) * sizeof(float));
+        w->mask[width] = w->mask[width + 1] = w->mask[width + 2] = 0.0f;
+        int64_t t = width - 1;
+        while (t >= 0 && w->mask[t] == 0.0f && text[t] == text[width - 1]) t--;
+        w->tail = t + 1;
+    }
+    memset(w->docs, 0, (size_t)(width + 3) * sizeof(int64_t));
+    if (cu != NULL) { /* a token's document: how many document starts (0 < start < width - 1) lie at or before it */
+        for (int64_t k = 0; k < cu_width; k++)
+            if (cu[k] > 0 && cu[k] < width - 1) w->docs[cu[k]] = 1;
+        for (int64_t t = 1; t < width; t++) w->docs[t] += w->docs[t - 1];
+        w->docs[width] = w->docs[width + 1] = w->docs[width + 2] = 0;
+    }
+    w->nsplits = w->at_split = w->npieces = w->nfims = 0;
+    for (int64_t t = 0; params[8] && t < w->tail; t++)
+        if (text[t] == params[9]) w->splits[w->nsplits++] = t;
+}
+
+/*
+ * params (SF_FIM_PARAMS values): rows, width (seq_length + 1), rng key, prefix, middle and suffix
+ * ids, has eod, eod id, has split, split id, no_prefix's length. rates: (p, qn, second) of rate,
+ * fragment_rate and spm_rate (fim_draws' inversion constants of min(p, 1 - p)). ids: each row's
+ * sample id (the Philox key is (id, rng key)). text int64 [rows, width] and label float32 [rows,
+ * width - 1] (NULL: no loss mask) are FIM'd in place; cu int32 [rows, cu_width] (NULL: one document
+ * a row) gives the documents. runs int64 [rows, width] receives each changed row's document run
+ * lengths, counts[r] their count (-1: the row was left as it is). Returns 0; -1 for a bad argument
+ * (nothing read or written); -2 when a draw was rejected SF_FIM_TRIES times (never for real rates).
+ */
+int64_t sf_fim_rows(const int64_t *params, const double *rates, const int64_t *ids, const int64_t *no_prefix,
+                    int64_t *text, float *label, const int32_t *cu, int64_t cu_width, int64_t *runs, int64_t *counts) {
+    int64_t rows = params[0], width = params[1];
+    if (rows < 0 || width < 2 || width > (INT64_C(1) << 31) || params[10] < 0 || (params[10] > 0 && no_prefix == NULL) ||
+        (cu != NULL && cu_width < 0) || (rows > 0 && width > INT64_MAX / 8 / rows))
+        return -1;
+    for (int k = 0; k < 3; k++) {
+        const double *r = rates + 3 * k;
+        if (!(r[0] >= 0.0 && r[0] <= 1.0) || (r[0] > 0.0 && !(r[1] >= 0.5 && r[1] <= 1.0 && r[2] >= 0.0 && r[2] <= 1.0)))
+            return -1;
+    }
+    sf_fim_row w;
+    memset(&w, 0, sizeof w);
+    w.params = params, w.rates = rates, w.no_prefix = no_prefix, w.width = width;
+    int64_t room = width + 3, pieces = 6 * (width + 2);
+    int64_t *ints = sf_alloc(3 * room + 2 * pieces + 3 * width + width, sizeof(int64_t));
+    float *floats = sf_alloc(3 * room + width, sizeof(float));
+    int64_t result = ints != NULL && floats != NULL ? 0 : -1;
+    if (result == 0) {
+        w.src = ints, w.docs = ints + room, w.splits = ints + 2 * room, w.starts = ints + 3 * room;
+        w.lengths = w.starts + pieces, w.fims = w.lengths + pieces;
+        int64_t *out_docs = w.fims + 3 * width;
+        w.values = floats, w.mask = label != NULL ? floats + width : NULL;
+        float *out_mask = label != NULL ? floats + width + room : NULL;
+        for (int64_t r = 0; r < rows; r++) {
+            float *row_label = label != NULL ? label + r * (width - 1) : NULL;
+            sf_fim_load(&w, text + r * width, row_label, cu != NULL ? cu + r * cu_width : NULL, cu_width);
+            memset(&w.g, 0, sizeof w.g);
+            w.g.key[0] = (uint64_t)ids[r], w.g.key[1] = (uint64_t)params[2], w.g.pos = 4;
+            int changed = sf_fim_walk(&w);
+            if (changed < 0) {
+                result = -2;
+                break;
+            }
+            counts[r] = -1;
+            if (!changed) continue;
+            if (w.tail < width) sf_fim_keep(&w, w.tail, width);
+            counts[r] = sf_fim_gather(&w, text + r * width, row_label, out_docs, out_mask, runs + r * width);
+        }
+    }
+    free(ints);
+    free(floats);
+    return result;
 }

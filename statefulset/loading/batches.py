@@ -132,6 +132,11 @@ class BatchSource(IterableDataset):
             return self.encoder.micro_batch(fields, positions, sources)
         if not self.encoder.collates:
             return self.encoder.micro_batch(fields, positions, sources, keep=False)
+        if self.encoder.encode_in_place(fields, positions):  # FillInTheMiddle's compiled path: rows changed in place
+            found = staged([], ring.fields, positions, ring.limits, fields, kept=True)
+            if found is not None:
+                return found
+            return self.encoder.batched(self.encoder.as_samples(fields, positions, sources), int(positions[0]))
         views = {name: list(values) for name, values in fields.items()}  # each row's view, made at once
         samples, kept = self.encoder.encode_rows(views, positions, sources)
         found = staged(samples, ring.fields, positions, ring.limits, fields, views, kept)

@@ -192,6 +192,8 @@ class TaskEncoderRunner:
         """One micro-batch, encoded: ``batch`` (or the default collate) then ``encode_batch``; the global
         RNG states put back afterwards unless ``keep=False`` (the caller does: :meth:`saved_globals`)."""
         with self._globals_kept(keep):
+            if self.encode_in_place(rows, sample_ids):
+                return self.batched(self.as_samples(rows, sample_ids, sources), int(sample_ids[0]))
             return self.batched(self.encoded_samples(rows, sample_ids, sources), int(sample_ids[0]))
 
     def encoded_samples(self, rows: dict[str, Any], sample_ids: numpy.ndarray, sources: list[str]) -> list:
@@ -238,6 +240,36 @@ class TaskEncoderRunner:
                 f"task encoder {self.identity}: encode_sample failed on sample {made[1]}: {type(exc).__name__}: {exc}"
             ) from exc
         return samples, kept
+
+    def encode_in_place(self, rows: dict[str, Any], sample_ids: numpy.ndarray) -> bool:
+        """Whether the encoder's own micro-batch path changed ``rows`` (each field's ``[B, ...]`` array)
+        in place into exactly what ``encode_sample`` gives per sample (an ``encode_rows_in_place(rows,
+        sample_ids, key)`` method, as FillInTheMiddle's compiled path; its ``rng`` keyed as here). False:
+        nothing changed, encode per sample."""
+        method = self.encode
+        in_place = getattr(self.encoder, "encode_rows_in_place", None)
+        if in_place is None or method.keyed or method.generator is None or not self.collates:
+            return False
+        try:
+            return bool(in_place(rows, sample_ids, method.rng_key))
+        except StatefulsetError:
+            raise
+        except Exception as exc:
+            raise StatefulsetError(
+                f"task encoder {self.identity}: encode_rows_in_place failed on the micro-batch from "
+                f"{int(sample_ids[0])}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def as_samples(self, rows: dict[str, Any], sample_ids: numpy.ndarray, sources: list[str]) -> list[TokenSample]:
+        """The rows as TokenSamples, not encoded (after :meth:`encode_in_place`)."""
+        samples = []
+        for i, sample_id in enumerate(sample_ids.tolist()):
+            sample = TokenSample(text=rows["text"][i], sample_id=sample_id, source=sources[i])
+            for name, values in rows.items():
+                if name != "text":
+                    setattr(sample, name, values[i])
+            samples.append(sample)
+        return samples
 
     @property
     def collates(self) -> bool:

@@ -45,6 +45,7 @@ from statefulset.transforms.fim_fields import (
     tail_start,
     token_mask,
 )
+from statefulset.transforms.fim_rows import fim_rows
 from statefulset.transforms.fim_text import TextCodec, text_codec
 from statefulset.transforms.fim_tokens import Gathered, token_fim
 from statefulset.transforms.sample import TokenSample
@@ -169,6 +170,16 @@ class FillInTheMiddle:
             out.loss_mask = mask[1:].copy()
             return out
         return self._rebuilt(sample, got, text.size, pad_document(docs, tail))
+
+    def encode_rows_in_place(self, rows: dict[str, Any], sample_ids: numpy.ndarray, key: int) -> bool:
+        """The loader's path for a whole micro-batch: ``rows`` (each field's ``[B, ...]`` array) FIM'd in
+        place, each row as :meth:`encode_sample` gives it with the generator keyed by ``(key, sample_id)``
+        (:func:`~statefulset.transforms.keyed.keyed_generator`). False, with nothing changed, where that
+        path does not apply (tokenizer mode, a subclass's own ``encode_sample``, no compiled kernels):
+        the loader then calls :meth:`encode_sample` per sample."""
+        if type(self).encode_sample is not FillInTheMiddle.encode_sample:
+            return False
+        return fim_rows(self, rows, sample_ids, key)
 
     def _transform(
         self,

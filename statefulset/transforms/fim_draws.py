@@ -26,7 +26,7 @@ _TO_DOUBLE = 1.0 / 9007199254740992.0  # numpy's next_double: the top 53 bits of
 _U32 = 0xFFFFFFFF
 
 
-def _inversion_constants(p: float) -> tuple[float, float]:
+def inversion_constants(p: float) -> tuple[float, float]:
     """numpy's ``random_binomial_inversion`` for n = 1 and probability ``p`` (<= 0.5): ``qn = exp(n log q)``,
     the chance of 0, and ``(n - x + 1) p qn / (x q)`` for x = 1, the chance of 1 (same operations, same order)."""
     q = 1.0 - p
@@ -96,7 +96,7 @@ class RawDraws:
         low = p if p <= 0.5 else 1.0 - p
         constants = self._constants.get(low)
         if constants is None:
-            constants = self._constants[low] = _inversion_constants(low)
+            constants = self._constants[low] = inversion_constants(low)
         qn, second = constants
         if self.at < len(self.raw):  # the common case inline: a uniform at most qn + second is 0 or 1
             u = (self.raw[self.at] >> 11) * _TO_DOUBLE
