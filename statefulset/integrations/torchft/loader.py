@@ -20,13 +20,15 @@ C+i+2k, ...`` as long as the quorum holds and every step commits: that is DP ran
 layout of DP size ``k·W`` placed at ``(C+i)·W·B`` (a *plan*), which persistent worker processes
 build ahead (:mod:`statefulset.integrations.torchft.pool`). When a step asks for another
 replica-batch (the quorum changed, a commit failed, the replica healed), it is built at once in the
-trainer process; when the plan no longer holds for the step after (the quorum changed), the same
-workers are re-targeted in place to the new plan, and what they prefetched for the old one is
-discarded, never served. No state of its own: the manager's is the cursor.
+trainer process (on its own thread, watched, when it reads local files only); when the plan no
+longer holds for the step after (the quorum changed), the same workers are re-targeted in place to
+the new plan, and what they prefetched for the old one is discarded, never served. No state of its
+own: the manager's is the cursor.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, NamedTuple
 
@@ -40,7 +42,7 @@ from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
 from statefulset.loading.loader import get_savable_loader
 from statefulset.loading.state import Cursor
-from statefulset.loading.watchdog import InProcessSource
+from statefulset.loading.watchdog import CallerWatch, InProcessSource
 from statefulset.streams.documents import gather_fields
 
 _log = logging.getLogger("statefulset")
@@ -74,9 +76,12 @@ class Served(NamedTuple):
 class _Builder:
     """Replica-batches built in the trainer process, one per request (no worker to wait for).
 
-    On a helper thread while the watchdog is on (:class:`~statefulset.loading.watchdog.InProcessSource`),
-    so that the wait for a stalled read stays bounded; it holds the dataset, not the loader, so
-    that the thread ends when the loader is dropped. One source for the loader's life: replica-batch
+    With workers, local files and no task encoder, on the trainer's own thread under a
+    :class:`~statefulset.loading.watchdog.CallerWatch` (no thread to wake: a change's first step);
+    else, while the watchdog is on, on a helper thread
+    (:class:`~statefulset.loading.watchdog.InProcessSource`), so that the wait for a stalled read or
+    encoder stays bounded; it holds the dataset, not the loader, so that the thread ends when the
+    loader is dropped. One source for the loader's life: replica-batch
     ``n`` is its batch ``n`` (DP rank ``r`` of a layout of DP size ``W`` placed at 0).
     """
 
@@ -144,7 +149,14 @@ class FaultTolerantLoader:
         self._plan: tuple[int, int] | None = None  # (the replica-batch the plan's next batch holds, stride)
         self._builder = _Builder(dataset)
         watched = self._options.watchdog.timeout is not None
-        self._in_process = InProcessSource(self._builder, "statefulset-torchft-build") if watched else None
+        # Off-plan builds (a change's first step) on the trainer's own thread, watched without a
+        # hand-off (waking a helper thread cost the changed step more than its build), when the build
+        # only reads local memory-mapped files: with workers, no task encoder (user code), no object
+        # storage (a stalled request raises at the watchdog's period, not at the storage timeouts).
+        # Else on a helper thread (num_workers=0: every step), whose wait the watchdog bounds.
+        here = bool(dataset.worker_config.num_workers) and dataset.encoder is None and not dataset.stream.remote
+        self._watch = CallerWatch(self._options.watchdog, "statefulset-torchft-watch") if watched and here else None
+        self._in_process = InProcessSource(self._builder, "statefulset-torchft-build") if watched and not here else None
         self.last: Served | None = None  # what the last next() handed out
         self.built_here = 0  # replica-batches built in the trainer process: the steps off the plan
 
@@ -170,6 +182,19 @@ class FaultTolerantLoader:
         if self._in_process is not None:
             self._in_process.ask()
 
+    def _here(self, n: int) -> Any:
+        """Replica-batch ``n`` built on this thread, under the watchdog's clocks (:class:`CallerWatch`)."""
+        watch: CallerWatch = self._watch  # type: ignore[assignment]
+        what = functools.partial(self._building, n, "the trainer's own thread")
+        start = watch.arm(False, what)
+        try:
+            batch = self._builder.build(n)
+        except BaseException:
+            watch.disarm()
+            raise
+        watch.check(start, False, what)
+        return pin(batch) if self._options.pin_memory and torch.cuda.is_available() else batch
+
     def _take(self, n: int) -> Any:
         """Replica-batch ``n``, asked for by :meth:`_ask`. A build that an earlier ``next()`` gave up
         on (its watchdog raised while the helper thread still built it) may come first: it is another
@@ -185,8 +210,8 @@ class FaultTolerantLoader:
             _log.info("torchft: dropped replica-batch %d, built for a next() that gave up waiting for it", built)
         return pin(batch) if self._options.pin_memory and torch.cuda.is_available() else batch
 
-    def _building(self, n: int) -> str:
-        return f"the trainer process was building replica-batch {n} (stream positions from {self.positions(n)[0]})"
+    def _building(self, n: int, where: str = "the trainer process") -> str:
+        return f"{where} was building replica-batch {n} (stream positions from {self.positions(n)[0]})"
 
     def _ended(self, n: int) -> bool:
         """Whether replica-batch ``n`` lies past the end of a stream that does not repeat."""
@@ -215,6 +240,8 @@ class FaultTolerantLoader:
             _log.info("torchft step %d: this replica is not participating; replica-batch %d is not counted", step, n)
             if self._ended(n):
                 raise StopIteration
+            if self._watch is not None:
+                return self._here(n)
             self._ask(n)
             return self._take(n)
         # Counted in num_participants() even when its gradients are zeroed (torchft's init_sync at step 0).
@@ -248,21 +275,29 @@ class FaultTolerantLoader:
         # after the fork of the first plan's workers (a fork must not copy a thread mid-build).
         self.built_here += 1
         replan = bool(workers) and self._plan != (n + stride, stride)
+        if self._watch is not None:  # built on this thread: the workers told first, so they stop sooner
+            if replan:
+                self._replan(n, stride)
+            return self._here(n)
         early = not replan or self._workers is not None
         if early:
             self._ask(n)
         if replan:
-            if self._plan is not None:
-                _log.info(
-                    "torchft: the quorum moved this replica from replica-batch %d (stride %d) to %d (stride %d); "
-                    "prefetched batches dropped",
-                    *self._plan, n, stride,
-                )  # fmt: skip
-            self._retarget(n + stride, stride)
-            self._plan = (n + stride, stride)
+            self._replan(n, stride)
         if not early:
             self._ask(n)
         return self._take(n)
+
+    def _replan(self, n: int, stride: int) -> None:
+        """The workers' plan from the step after replica-batch ``n``: what they built for the old one is dropped."""
+        if self._plan is not None:
+            _log.info(
+                "torchft: the quorum moved this replica from replica-batch %d (stride %d) to %d (stride %d); "
+                "prefetched batches dropped",
+                *self._plan, n, stride,
+            )  # fmt: skip
+        self._retarget(n + stride, stride)
+        self._plan = (n + stride, stride)
 
     def _received(self, n: int) -> Any | None:
         """Replica-batch ``n`` when it is a later batch of the plan that the trainer already received
