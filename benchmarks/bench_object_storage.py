@@ -20,8 +20,10 @@ row in a fresh process with a fresh node cache:
   per worker), each keeping 32 in flight (our request limit per process).
 
 Reported per row: tokens/s, requests per sample (the proxy's ranged GETs over the measured window,
-against the documents a sample spans), ours as a fraction of the store's capacity at as many
-processes, and ours and megatron-core's rows against megatron-core's best row of the same round.
+against the documents a sample spans), the client's CPU per request (the row's processes, workers
+included, over the window: a figure the machine's load hardly changes), ours as a fraction of the
+store's capacity at as many processes, and ours and megatron-core's rows against megatron-core's
+best row of the same round. ``--out`` writes a run on a loaded machine elsewhere.
 
     S3RVER_BIN=/path/to/node_modules/.bin/s3rver python benchmarks/bench_object_storage.py   # full size
     python benchmarks/bench_object_storage.py --docs 60000 --samples 20000 --seconds 4 --megatron-workers 4 8 16
@@ -46,6 +48,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from corpus import OUT_DIR, make_corpus  # noqa: E402
+from process_cpu import tree_cpu  # noqa: E402
 from provenance import summary, write_results  # noqa: E402
 
 B, S = 8, 2048
@@ -54,6 +57,7 @@ LATENCY = 0.010
 INFLIGHT = 32  # our loader's request limit per process (STATEFULSET_STORAGE_MAX_REQUESTS)
 PIECE_SAMPLES = 8192  # samples whose requests the store-capacity loop cycles through
 EXTRA = ("megatron-core", "s3fs", "obstore", "boto3")
+KEYS = ("tokens_per_s", "requests_per_sample", "open_and_first_batch_s", "requests_per_s", "client_cpu_ms_per_request")
 
 
 def _shard(docs: int) -> str:
@@ -87,15 +91,16 @@ def _measure(batches, seconds: float, digest) -> dict:
     start = time.perf_counter()
     first = digest(next(batches))
     first_s = time.perf_counter() - start
-    before = _proxy_stats()
+    before, cpu = _proxy_stats(), tree_cpu()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         next(batches)
         count += 1
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, tree_cpu() - cpu
     ranged = _proxy_stats()["ranged"] - before["ranged"]
     return {"first_batch_s": first_s, "batches": count, "seconds": elapsed, "tokens_per_s": count * B * S / elapsed,
-            "requests_per_sample": ranged / max(1, count * B), "digest": first}  # fmt: skip
+            "requests_per_sample": ranged / max(1, count * B), "digest": first,
+            "client_cpu_ms_per_request": cpu * 1e3 / max(1, ranged)}  # fmt: skip
 
 
 def run_ours(job: dict) -> dict:
@@ -196,8 +201,9 @@ def _capacity(job: dict, batches_file: str) -> dict:
         answers.append(json.loads(out.strip().splitlines()[-1]))
     per_sample = sum(map(len, batches)) / (len(batches) * B)
     rate = sum(a["requests"] / a["seconds"] for a in answers if a["seconds"] > 0)
+    cpu_ms = sum(a["cpu_s"] for a in answers) * 1e3 / max(1, sum(a["requests"] for a in answers))
     return {"requests_per_s": rate, "tokens_per_s": rate / per_sample * S, "requests_per_sample": per_sample,
-            "shortest_window_s": min(a["seconds"] for a in answers)}  # fmt: skip
+            "shortest_window_s": min(a["seconds"] for a in answers), "client_cpu_ms_per_request": cpu_ms}  # fmt: skip
 
 
 def plan(url: str, args: argparse.Namespace) -> list[dict]:
@@ -234,7 +240,8 @@ def _round(rows: list[dict], scratch: str, p, env: dict, batches_file: str, r: i
             result = {"error": str(exc)[-2000:]}
         measured[row["name"]] = result
         shown = (
-            f"{result['tokens_per_s'] / 1e3:9.1f}k tok/s {result['requests_per_sample']:6.2f} req/sample"
+            f"{result['tokens_per_s'] / 1e3:9.1f}k tok/s {result['requests_per_sample']:6.2f} req/sample "
+            f"{result.get('client_cpu_ms_per_request', 0):5.2f} CPU ms/req"
             if ("tokens_per_s" in result)
             else "FAILED " + result["error"][-300:]
         )
@@ -251,7 +258,7 @@ def combine(rows: list[dict], rounds: list[dict[str, dict]]) -> dict:
         entry = {k: row[k] for k in ("kind", "workers", "chunk", "processes") if k in row}
         entry["finished"] = f"{len(ok)}/{len(runs)}"
         entry["errors"] = [x["error"] for x in runs if "error" in x]
-        for key in ("tokens_per_s", "requests_per_sample", "open_and_first_batch_s", "requests_per_s"):
+        for key in KEYS:
             if ok and key in ok[0]:
                 entry[key] = summary([x[key] for x in ok])
         entry["digests"] = sorted({x["digest"] for x in ok if "digest" in x})
@@ -286,6 +293,7 @@ def main() -> None:
     parser.add_argument("--megatron-workers", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--chunks", type=int, nargs="+", default=[1 << 20, 256 << 10], help="megatron-core's bytes")
     parser.add_argument("--quick", action="store_true", help="smoke size: 20,000 documents, 3 s, fewer rows")
+    parser.add_argument("--out", help="results file (default benchmarks/results/object_storage.json)")
     args = parser.parse_args()
     if args.quick:
         args.docs, args.samples, args.seconds = 20_000, 4_000, 3.0
@@ -307,7 +315,7 @@ def main() -> None:
             for r in range(args.rounds):  # the file is written after each round: a run cut short keeps its rounds
                 rounds.append(_round(rows, scratch, p, env, batches_file, r))
                 report = _report(args, prefix, mix, rows, rounds, started)
-                write_results("object_storage", report, EXTRA, quick=args.quick)
+                write_results("object_storage", report, EXTRA, args.out, quick=args.quick)
     print(markdown(report))
 
 
@@ -338,14 +346,15 @@ def markdown(report: dict) -> str:
         f"{report['documents_per_sample']:.2f} documents, {report['merged_requests_per_sample']:.2f} requests "
         f"after merging; first batch identical on every loader row: {'yes' if report['same_first_batch'] else 'NO'}.",
         "",
-        "| Row | tokens/s (k) | requests/sample | ÷ store capacity, same processes | ÷ megatron-core's best "
-        "| finished |",
-        "|---|---|---|---|---|---|",
+        "| Row | tokens/s (k) | requests/sample | client CPU ms/request | ÷ store capacity, same processes "
+        "| ÷ megatron-core's best | finished |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in report["results"].items():
         rows.append(
             f"| {name} | {_cell(r.get('tokens_per_s'), 1e-3, '{:.0f}')} "
             f"| {_cell(r.get('requests_per_sample'), 1, '{:.2f}')} "
+            f"| {_cell(r.get('client_cpu_ms_per_request'), 1, '{:.2f}')} "
             f"| {_cell(r.get('of_store_capacity'), 100, '{:.0f}%')} | {_cell(r.get('to_megatron_best'), 1, '{:.2f}×')} "
             f"| {r['finished']} |"
         )

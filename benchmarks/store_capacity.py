@@ -68,8 +68,9 @@ async def _loop(store, key: str, requests: list[tuple[int, int]], inflight: int,
                 done[1] += len(data)
 
     await asyncio.sleep(max(0.0, start_at - time.time()))
+    cpu = time.process_time()
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(inflight))), seconds + 120)
-    return done, stop - begin
+    return done, stop - begin, time.process_time() - cpu
 
 
 def run_capacity(job: dict) -> dict:
@@ -83,5 +84,6 @@ def run_capacity(job: dict) -> dict:
         secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"], region="us-east-1",
         client_options={"allow_http": True},
     )  # fmt: skip
-    done, window = asyncio.run(_loop(store, key + ".bin", requests, job["inflight"], job["start_at"], job["seconds"]))
-    return {"requests": done[0], "bytes": done[1], "seconds": window}
+    loop = _loop(store, key + ".bin", requests, job["inflight"], job["start_at"], job["seconds"])
+    done, window, cpu = asyncio.run(loop)
+    return {"requests": done[0], "bytes": done[1], "seconds": window, "cpu_s": cpu}

@@ -66,8 +66,9 @@ def store(tmp_path_factory):
 def test_workers_forked_after_opening_read_through_obstore(store, workers, tmp_path):
     server, p = store
     p.reset()
+    options = {**server.options(), "endpoint_url": p.endpoint}
     spec = {"data_path": f"s3://{BUCKET}/shards/web", "seq_length": 64, "split": "100,0,0", "packing": "megatron",
-            "seed": 5, "num_samples": 400, "storage_options": {**server.options(), "endpoint_url": p.endpoint}}  # fmt: skip
+            "seed": 5, "num_samples": 400, "storage_options": options}  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "STATEFULSET_S3_CLIENT"}
     env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), STATEFULSET_REMOTE_CACHE=str(tmp_path / "node"))  # a fresh node
     out = subprocess.run(
