@@ -250,3 +250,21 @@ def test_a_stream_locates_the_same_positions_again_as_copies(shards):
     for got, expected in zip(stream.locate(positions), want, strict=True):
         assert numpy.array_equal(got, expected)
     assert numpy.array_equal(stream.locate(positions[:3])[0], want[0][:3])
+
+
+@pytest.mark.parametrize("packing", ["native", "bestfit"])
+def test_a_blended_stream_locates_the_same_positions_again_as_copies(shards, packing):
+    """The memo of the last positions is the stream's (SampleStream.locate) for blends as for schedules."""
+    spec = {"seq_length": SEQ, "split": "80,20,0", "packing": packing, "seed": 5,
+            "data_path": {shards["web"]: 0.6, shards["code"]: 0.3, shards["math"]: 0.1}}  # fmt: skip
+    stream = open_stream(spec, "valid")
+    assert "stages" not in type(stream).__module__ and stream.schedule is not None
+    positions = numpy.array([[3, 0, 7], [1, 2, 5]])
+    which, local = stream.locate(positions)
+    fresh = open_stream(spec, "valid").schedule.locate(positions)
+    want = (which.copy(), local.copy())
+    which[...], local[...] = -1, -1
+    for got, expected, unlocated in zip(stream.locate(positions.copy()), want, fresh, strict=True):
+        assert got.shape == positions.shape and numpy.array_equal(got, expected)
+        assert numpy.array_equal(got, unlocated)
+    assert stream.locate(positions.reshape(-1))[0].shape == (6,)  # the same bytes, another shape: located again

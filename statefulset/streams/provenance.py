@@ -210,7 +210,7 @@ def source_prefixes(stream: SampleStream, positions: numpy.ndarray) -> list[str]
         which = numpy.zeros(p.size, dtype=numpy.int64) if blend is None else blend["dataset_index"][p]
     else:
         schedule = getattr(stream, "schedule", None)
-        which = numpy.zeros(p.size, dtype=numpy.int64) if schedule is None else schedule.locate(p)[0]
+        which = numpy.zeros(p.size, dtype=numpy.int64) if schedule is None else stream.locate(p)[0]
     return [prefixes[int(w)] for w in which]
 
 
@@ -253,7 +253,7 @@ def _source_of(stream: Any, p: int) -> tuple[int, int]:
     """``(source, local sample)`` of position ``p`` in a blended (or staged) stream."""
     if stream.schedule is None:
         return 0, p
-    w, q = stream.schedule.locate(numpy.array([p], dtype=numpy.int64))
+    w, q = stream.locate(numpy.array([p], dtype=numpy.int64))
     return int(w[0]), int(q[0])
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy
 
-from statefulset.index.native.blend_tree import BlendSchedule, LastLocated
+from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.keys import derive_key
 from statefulset.index.native.windows import WindowSource
 from statefulset.spec.splits import SPLITS
@@ -81,7 +81,6 @@ class StagedStream(SampleStream):
             self.offsets[k] = self.offsets[k - 1] + drawn
         self.schedule = _Locator(self)  # what provenance and the overview call
         self._offset_rows = self.offsets.tolist()
-        self._last = LastLocated()
 
     @property
     def weights(self) -> list[float]:
@@ -114,13 +113,9 @@ class StagedStream(SampleStream):
         """The stage governing ``position``."""
         return bisect.bisect_right(self._start_list, position) - 1  # on ints: no numpy call per read
 
-    def locate(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
-        """``(source, local sample)`` of every position (the last answer kept: see LastLocated)."""
-        p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
-        found = self._last.get(p)
-        return found if found is not None else self._last.put(p, self._locate(p))
-
     def _locate(self, p: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``(source, local sample)`` of every position, flattened (:meth:`SampleStream.locate` keeps the last)."""
+        p = p.reshape(-1)
         if len(self._start_list) == 1 and self.schedules[0] is None:  # one stage, one source: every batch
             source = self.stage_sources[0][0]
             local = p + (self._offset_rows[0][source] - self._start_list[0])

@@ -10,7 +10,7 @@ the weights to 2^-32) of ``weight × position``, at every position, in O(log K) 
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy
 
@@ -77,31 +77,6 @@ def _flatten(tree: _Node, live: list[int]) -> tuple[list[tuple[int, int, int, in
     return inner, leaves
 
 
-class LastLocated:
-    """The last positions a stream located and the answer, as copies.
-
-    A micro-batch's positions are located twice with a task encoder: to gather its tokens, then for
-    each sample's ``source`` (:func:`statefulset.streams.provenance.source_prefixes`); the second
-    costs as much as the first (~50 µs at 8 positions). The slot is one tuple, replaced whole, so
-    read-ahead threads locating other positions see either answer whole, never a mix.
-    """
-
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last: tuple[Any, tuple[numpy.ndarray, numpy.ndarray]] | None = None
-
-    def get(self, p: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray] | None:
-        last = self._last
-        if last is None or last[0] != (p.shape, p.tobytes()):
-            return None
-        return last[1][0].copy(), last[1][1].copy()
-
-    def put(self, p: numpy.ndarray, found: tuple[numpy.ndarray, numpy.ndarray]) -> tuple[numpy.ndarray, numpy.ndarray]:
-        self._last = ((p.shape, p.tobytes()), (found[0].copy(), found[1].copy()))
-        return found
-
-
 class BlendSchedule:
     """Which source serves global position ``p``, and at which local position, in O(log K)."""
 
@@ -114,7 +89,6 @@ class BlendSchedule:
         self._live = [i for i, w in enumerate(weights) if w > 0]
         self._tree = _build_tree(live, 0)
         self._inner, self._leaves = _flatten(self._tree, self._live)
-        self._last = LastLocated()
 
     def counts(self, n: int) -> list[int]:
         """How many of the positions ``[0, n)`` each source serves (zero-weight sources included), in O(K).
@@ -148,11 +122,8 @@ class BlendSchedule:
         return out
 
     def locate(self, positions: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``(source, local position)`` of every position, in the shape of ``positions``."""
         p = numpy.asarray(positions, dtype=numpy.int64)
-        found = self._last.get(p)
-        return found if found is not None else self._last.put(p, self._locate(p))
-
-    def _locate(self, p: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
         if p.size and p.min() < 0:
             raise StatefulsetError("blend: negative stream position")
         source = numpy.empty(p.shape, dtype=numpy.int64)
