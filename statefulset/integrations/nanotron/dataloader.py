@@ -56,7 +56,7 @@ from statefulset.integrations.nanotron.context import (
 )
 from statefulset.integrations.nanotron.loader import NanotronDataLoader
 from statefulset.loading.datasets import get_train_dataset
-from statefulset.loading.loader import get_savable_loader
+from statefulset.loading.loader import SavableLoader, get_savable_loader
 from statefulset.loading.worker_config import WorkerConfig
 from statefulset.parallel.groups import create_parallel_groups, raise_on_every_rank
 from statefulset.parallel.layout import ParallelLayout
@@ -82,6 +82,88 @@ def _link_group(layout: ParallelLayout) -> Any:
     if "gloo" in str(dist.get_backend()).lower():
         return None
     return create_parallel_groups(layout, ("pp",), backend="gloo")["pp"]
+
+
+def _layout_of(parallel: Any, where: str) -> tuple[ParallelLayout, ParallelContextLike | None]:
+    """The layout, and the Nanotron ``ParallelContext`` it came from (None for a ``ParallelLayout``)."""
+    if isinstance(parallel, ParallelLayout):
+        return parallel, None
+    if isinstance(parallel, ParallelContextLike):
+        return layout_from_parallel_context(parallel), parallel
+    raise StatefulsetError(
+        f"{where}: parallel must be a ParallelLayout or a Nanotron ParallelContext, got {type(parallel).__name__}"
+    )
+
+
+def _global_rank(rank: Any, layout: ParallelLayout, where: str) -> tuple[int, bool]:
+    """This process's global rank, checked against the layout and torch.distributed, and whether that is initialised."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_world_size() != layout.world_size:
+        raise StatefulsetError(
+            f"{where}: the layout has world_size {layout.world_size}, torch.distributed has {dist.get_world_size()}"
+        )
+    if rank is None:
+        rank = dist.get_rank() if distributed else 0
+    rank = check_int("rank", rank, 0, where)
+    if rank >= layout.world_size:
+        raise StatefulsetError(f"{where}: rank {rank} is outside [0, world_size {layout.world_size})")
+    if distributed and rank != dist.get_rank():
+        raise StatefulsetError(f"{where}: rank {rank} was passed but torch.distributed says {dist.get_rank()}")
+    return rank, distributed
+
+
+def _checked_spec(spec: Any, sequence_length: int | None, layout: ParallelLayout, where: str) -> DatasetSpec:
+    """The parsed spec, its ``seq_length`` checked against the trainer's and the CP size.
+
+    Every rank parses the spec (no shard reads), so a bad spec fails on every rank, not only where data is read.
+    """
+    parsed = spec if isinstance(spec, DatasetSpec) else load_spec(spec)
+    seq_length = parsed.seq_length
+    if sequence_length is not None and check_int("sequence_length", sequence_length, 1, where) != seq_length:
+        raise StatefulsetError(
+            f"{where}: sequence_length {sequence_length} (the trainer's tokens.sequence_length) differs from the "
+            f"spec's seq_length {seq_length} ({parsed.source})"
+        )
+    if seq_length % layout.cp:
+        raise StatefulsetError(
+            f"{where}: the spec's seq_length {seq_length} is not divisible by cp {layout.cp} "
+            f"({parsed.source}; Nanotron's collator needs equal context-parallel slices)"
+        )
+    return parsed
+
+
+def _link_specs(parsed: DatasetSpec, micro_batch_size: int) -> list[TensorSpec]:
+    """What travels from the input stage to the output stage per micro-batch."""
+    seq_length = parsed.seq_length
+    specs = [
+        TensorSpec("text", (micro_batch_size, seq_length + 1), torch.int64),
+        TensorSpec("sample_id", (micro_batch_size,), torch.int64),
+    ]
+    if parsed.packing == "bestfit" or spec_has_masks(parsed):  # the output stage masks padding and prompts
+        specs.append(TensorSpec("loss_mask", (micro_batch_size, seq_length), torch.float32))
+    return specs
+
+
+def _input_loader(
+    parsed: DatasetSpec,
+    wc: WorkerConfig,
+    micro_batch_size: int,
+    consumed: int,
+    position_ids: bool,
+    task_encoder: Any,
+    loader_options: dict[str, Any],
+) -> SavableLoader:
+    """The input stage's savable loader over this DP rank's slice, placed at ``consumed``."""
+    dataset = get_train_dataset(
+        parsed, batch_size=micro_batch_size, worker_config=wc, document_boundaries=bool(position_ids),
+        task_encoder=task_encoder,
+    )  # fmt: skip
+    loader = get_savable_loader(dataset, **loader_options)
+    if consumed:
+        loader.restore_consumed_samples(consumed)
+    return loader
 
 
 def build_nanotron_dataloader(
@@ -140,30 +222,8 @@ def build_nanotron_dataloader(
     unknown = sorted(set(loader_options) - _LOADER_OPTIONS)
     if unknown:
         raise StatefulsetError(f"{where}: unknown keyword argument(s): {', '.join(unknown)}")
-    context = None
-    if isinstance(parallel, ParallelLayout):
-        layout = parallel
-    elif isinstance(parallel, ParallelContextLike):
-        context = parallel
-        layout = layout_from_parallel_context(parallel)
-    else:
-        raise StatefulsetError(
-            f"{where}: parallel must be a ParallelLayout or a Nanotron ParallelContext, got {type(parallel).__name__}"
-        )
-    import torch.distributed as dist
-
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed and dist.get_world_size() != layout.world_size:
-        raise StatefulsetError(
-            f"{where}: the layout has world_size {layout.world_size}, torch.distributed has {dist.get_world_size()}"
-        )
-    if rank is None:
-        rank = dist.get_rank() if distributed else 0
-    rank = check_int("rank", rank, 0, where)
-    if rank >= layout.world_size:
-        raise StatefulsetError(f"{where}: rank {rank} is outside [0, world_size {layout.world_size})")
-    if distributed and rank != dist.get_rank():
-        raise StatefulsetError(f"{where}: rank {rank} was passed but torch.distributed says {dist.get_rank()}")
+    layout, context = _layout_of(parallel, where)
+    rank, distributed = _global_rank(rank, layout, where)
     where = f"{where} (global rank {rank})"
     micro_batch_size = check_int("micro_batch_size", micro_batch_size, 1, where)
     n_micro = check_int("n_micro_batches_per_batch", n_micro_batches_per_batch, 1, where)
@@ -188,20 +248,7 @@ def build_nanotron_dataloader(
         if data_parallel_group is None:
             data_parallel_group = getattr(context, "dp_pg", None)
 
-    # Every rank parses the spec (no shard reads), so a bad spec fails on every rank, not only where data is read.
-    parsed = spec if isinstance(spec, DatasetSpec) else load_spec(spec)
-    seq_length = parsed.seq_length
-    if sequence_length is not None and check_int("sequence_length", sequence_length, 1, where) != seq_length:
-        raise StatefulsetError(
-            f"{where}: sequence_length {sequence_length} (the trainer's tokens.sequence_length) differs from the "
-            f"spec's seq_length {seq_length} ({parsed.source})"
-        )
-    if seq_length % layout.cp:
-        raise StatefulsetError(
-            f"{where}: the spec's seq_length {seq_length} is not divisible by cp {layout.cp} "
-            f"({parsed.source}; Nanotron's collator needs equal context-parallel slices)"
-        )
-
+    parsed = _checked_spec(spec, sequence_length, layout, where)
     needs_link = input_pp_rank != output_pp_rank
     group = None
     if needs_link:
@@ -213,8 +260,6 @@ def build_nanotron_dataloader(
         group = link_group if link_group is not None else _link_group(layout)
 
     loader = None
-    link = None
-    pipeline = info.pp_group_ranks
     if info.pp_rank == input_pp_rank and not errors:
         try:
             wc = WorkerConfig(
@@ -224,13 +269,7 @@ def build_nanotron_dataloader(
                 data_parallel_group=data_parallel_group,
                 seed_offset=seed_offset,
             )
-            dataset = get_train_dataset(
-                parsed, batch_size=micro_batch_size, worker_config=wc, document_boundaries=bool(position_ids),
-                task_encoder=task_encoder,
-            )  # fmt: skip
-            loader = get_savable_loader(dataset, **loader_options)
-            if consumed:
-                loader.restore_consumed_samples(consumed)
+            loader = _input_loader(parsed, wc, micro_batch_size, consumed, position_ids, task_encoder, loader_options)
         except StatefulsetError as error:
             errors.append(f"rank {rank}: {error}")
     if distributed:
@@ -239,20 +278,15 @@ def build_nanotron_dataloader(
         raise_on_every_rank(errors)
     elif errors:
         raise StatefulsetError(errors[0])
-    specs = [
-        TensorSpec("text", (micro_batch_size, seq_length + 1), torch.int64),
-        TensorSpec("sample_id", (micro_batch_size,), torch.int64),
-    ]
-    if parsed.packing == "bestfit" or spec_has_masks(parsed):  # the output stage masks padding and prompts
-        specs.append(TensorSpec("loss_mask", (micro_batch_size, seq_length), torch.float32))
-    if needs_link and info.pp_rank == input_pp_rank:
-        link = StageLink(pipeline[output_pp_rank], specs, group=group, depth=depth)
-    elif needs_link and info.pp_rank == output_pp_rank:
-        link = StageLink(pipeline[input_pp_rank], specs, group=group, depth=depth)
+    specs = _link_specs(parsed, micro_batch_size)
+    link = None
+    if needs_link and info.pp_rank in (input_pp_rank, output_pp_rank):
+        peer = output_pp_rank if info.pp_rank == input_pp_rank else input_pp_rank
+        link = StageLink(info.pp_group_ranks[peer], specs, group=group, depth=depth)
     return NanotronDataLoader(
         info,
         micro_batch_size=micro_batch_size,
-        sequence_length=seq_length,
+        sequence_length=parsed.seq_length,
         n_micro_batches_per_batch=n_micro,
         consumed_train_samples=consumed,
         input_pp_rank=input_pp_rank,
