@@ -173,7 +173,7 @@ def test_through_the_loader_workers_equal_ds(shard, packing, boundaries):
 
 def test_the_kernel_refuses_bad_arguments_before_writing():
     """Widths under 2, negative rows or no-prefix lengths, rates outside [0, 1] or inversion constants that
-    could reject forever: -1, nothing written."""
+    could reject forever, too little work space: -1, nothing written."""
     lib = compiled.library()
     text = numpy.arange(12, dtype=numpy.int64).reshape(2, 6)
     ids, prefix = numpy.arange(2, dtype=numpy.int64), numpy.zeros(1, dtype=numpy.int64)
@@ -181,16 +181,23 @@ def test_the_kernel_refuses_bad_arguments_before_writing():
     good = [2, 6, 1, P, M, S, 0, 0, 0, 0, 0]
     rates = numpy.array([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.5, *inversion_constants(0.5)])
 
+    work = numpy.zeros(4096, dtype=numpy.int64)
+    size = work.size
+
     def call(params, rate_values=rates) -> int:
         p = numpy.array(params, dtype=numpy.int64)
         r = numpy.array(rate_values, dtype=numpy.float64)
         return lib.sf_fim_rows(p.ctypes.data, r.ctypes.data, ids.ctypes.data, prefix.ctypes.data, text.ctypes.data,
-                               None, None, 0, runs.ctypes.data, counts.ctypes.data)  # fmt: skip
+                               None, None, 0, runs.ctypes.data, counts.ctypes.data, work.ctypes.data, size)  # fmt: skip
 
     before = text.copy()
     for params in ([2, 1, *good[2:]], [-1, *good[1:]], [*good[:10], -1]):
         assert call(params) == -1
     for bad in ([1.5, 1.0, 0.0], [0.5, 0.0, 0.0], [0.5, 0.4, 0.6], [float("nan"), 1.0, 0.0]):
         assert call(good, [*bad, *rates[3:]]) == -1
+    size = 100  # less work space than six-token rows need
+    assert call(good) == -1
+    size = work.size
     assert numpy.array_equal(text, before) and counts.tolist() == [7, 7]
-    assert call(good) == 0 and not numpy.array_equal(text, before) and counts.tolist() == [1, 1]
+    assert call(good) == 0 and not numpy.array_equal(text, before)
+    assert counts.tolist() == [0, 0]  # changed, no documents

@@ -948,8 +948,8 @@ static int sf_fim_walk(sf_fim_row *w) {
     const int64_t *params = w->params;
     int changed = 0;
     for (int64_t start = 0, end; start < w->tail; start = end) {
-        int64_t doc = w->docs[start], current = start;
-        for (end = start + 1; end < w->tail && w->docs[end] == doc;) end++;
+        int64_t doc = w->docs != NULL ? w->docs[start] : 0, current = start;
+        for (end = w->docs != NULL ? start + 1 : w->tail; end < w->tail && w->docs[end] == doc;) end++;
         for (int64_t loc = start; params[6] && loc < end; loc++) {
             if (w->src[loc] != params[7]) continue;
             if (loc > current) {
@@ -970,7 +970,7 @@ static int sf_fim_walk(sf_fim_row *w) {
 }
 
 /* The FIM'd row gathered from its pieces: tokens into text, mask values (after the first) into label,
- * and the documents' run lengths into runs (their count returned). */
+ * and, with documents (out_docs not NULL), their run lengths into runs (their count returned). */
 static int64_t sf_fim_gather(sf_fim_row *w, int64_t *text, float *label, int64_t *out_docs, float *out_mask,
                              int64_t *runs) {
     int64_t width = w->width, o = 0, f = -1;
@@ -981,19 +981,19 @@ static int64_t sf_fim_gather(sf_fim_row *w, int64_t *text, float *label, int64_t
         if (n > width - o) n = width - o;
         if (s >= width) { /* a sentinel: its FIM's document and mask value */
             text[o] = w->src[s];
-            out_docs[o] = w->fims[3 * f + 2];
+            if (out_docs != NULL) out_docs[o] = w->fims[3 * f + 2];
             if (out_mask != NULL) out_mask[o] = w->values[f];
             o += n;
             continue;
         }
         memcpy(text + o, w->src + s, (size_t)n * sizeof(int64_t));
-        memcpy(out_docs + o, w->docs + s, (size_t)n * sizeof(int64_t));
+        if (out_docs != NULL) memcpy(out_docs + o, w->docs + s, (size_t)n * sizeof(int64_t));
         if (out_mask != NULL) memcpy(out_mask + o, w->mask + s, (size_t)n * sizeof(float));
         o += n;
     }
     if (label != NULL) memcpy(label, out_mask + 1, (size_t)(width - 1) * sizeof(float));
     int64_t count = 0;
-    for (int64_t start = 0, end; start < width; start = end) {
+    for (int64_t start = 0, end; out_docs != NULL && start < width; start = end) {
         for (end = start + 1; end < width && out_docs[end] == out_docs[start];) end++;
         runs[count++] = end - start;
     }
@@ -1015,8 +1015,8 @@ static void sf_fim_load(sf_fim_row *w, const int64_t *text, const float *label, 
         while (t >= 0 && w->mask[t] == 0.0f && text[t] == text[width - 1]) t--;
         w->tail = t + 1;
     }
-    memset(w->docs, 0, (size_t)(width + 3) * sizeof(int64_t));
     if (cu != NULL) { /* a token's document: how many document starts (0 < start < width - 1) lie at or before it */
+        memset(w->docs, 0, (size_t)(width + 3) * sizeof(int64_t));
         for (int64_t k = 0; k < cu_width; k++)
             if (cu[k] > 0 && cu[k] < width - 1) w->docs[cu[k]] = 1;
         for (int64_t t = 1; t < width; t++) w->docs[t] += w->docs[t - 1];
@@ -1027,21 +1027,31 @@ static void sf_fim_load(sf_fim_row *w, const int64_t *text, const float *label, 
         if (text[t] == params[9]) w->splits[w->nsplits++] = t;
 }
 
+/* The int64 values of work sf_fim_rows needs for rows of `width` tokens (its int64 and float32 arrays). */
+static int64_t sf_fim_work(int64_t width) {
+    int64_t room = width + 3, pieces = 6 * (width + 2);
+    return 3 * room + 2 * pieces + 4 * width + (3 * room + width + 1) / 2;
+}
+
 /*
  * params (SF_FIM_PARAMS values): rows, width (seq_length + 1), rng key, prefix, middle and suffix
  * ids, has eod, eod id, has split, split id, no_prefix's length. rates: (p, qn, second) of rate,
  * fragment_rate and spm_rate (fim_draws' inversion constants of min(p, 1 - p)). ids: each row's
  * sample id (the Philox key is (id, rng key)). text int64 [rows, width] and label float32 [rows,
  * width - 1] (NULL: no loss mask) are FIM'd in place; cu int32 [rows, cu_width] (NULL: one document
- * a row) gives the documents. runs int64 [rows, width] receives each changed row's document run
- * lengths, counts[r] their count (-1: the row was left as it is). Returns 0; -1 for a bad argument
- * (nothing read or written); -2 when a draw was rejected SF_FIM_TRIES times (never for real rates).
+ * a row) gives the documents; then runs int64 [rows, width] receives each changed row's document
+ * run lengths and counts[r] their count (-1: the row was left as it is); without cu both may be
+ * NULL. work: work_size int64 values of scratch, at least sf_fim_work(width) (the caller's, reused:
+ * no allocation per call). Returns 0; -1 for a bad argument (nothing read or written); -2 when a
+ * draw was rejected SF_FIM_TRIES times (never for real rates; rows before it are FIM'd).
  */
 int64_t sf_fim_rows(const int64_t *params, const double *rates, const int64_t *ids, const int64_t *no_prefix,
-                    int64_t *text, float *label, const int32_t *cu, int64_t cu_width, int64_t *runs, int64_t *counts) {
+                    int64_t *text, float *label, const int32_t *cu, int64_t cu_width, int64_t *runs, int64_t *counts,
+                    int64_t *work, int64_t work_size) {
     int64_t rows = params[0], width = params[1];
     if (rows < 0 || width < 2 || width > (INT64_C(1) << 31) || params[10] < 0 || (params[10] > 0 && no_prefix == NULL) ||
-        (cu != NULL && cu_width < 0) || (rows > 0 && width > INT64_MAX / 8 / rows))
+        (cu != NULL && (cu_width < 0 || runs == NULL || counts == NULL)) || work == NULL ||
+        work_size < sf_fim_work(width) || (rows > 0 && width > INT64_MAX / 8 / rows))
         return -1;
     for (int k = 0; k < 3; k++) {
         const double *r = rates + 3 * k;
@@ -1052,32 +1062,25 @@ int64_t sf_fim_rows(const int64_t *params, const double *rates, const int64_t *i
     memset(&w, 0, sizeof w);
     w.params = params, w.rates = rates, w.no_prefix = no_prefix, w.width = width;
     int64_t room = width + 3, pieces = 6 * (width + 2);
-    int64_t *ints = sf_alloc(3 * room + 2 * pieces + 3 * width + width, sizeof(int64_t));
-    float *floats = sf_alloc(3 * room + width, sizeof(float));
-    int64_t result = ints != NULL && floats != NULL ? 0 : -1;
-    if (result == 0) {
-        w.src = ints, w.docs = ints + room, w.splits = ints + 2 * room, w.starts = ints + 3 * room;
-        w.lengths = w.starts + pieces, w.fims = w.lengths + pieces;
-        int64_t *out_docs = w.fims + 3 * width;
-        w.values = floats, w.mask = label != NULL ? floats + width : NULL;
-        float *out_mask = label != NULL ? floats + width + room : NULL;
-        for (int64_t r = 0; r < rows; r++) {
-            float *row_label = label != NULL ? label + r * (width - 1) : NULL;
-            sf_fim_load(&w, text + r * width, row_label, cu != NULL ? cu + r * cu_width : NULL, cu_width);
-            memset(&w.g, 0, sizeof w.g);
-            w.g.key[0] = (uint64_t)ids[r], w.g.key[1] = (uint64_t)params[2], w.g.pos = 4;
-            int changed = sf_fim_walk(&w);
-            if (changed < 0) {
-                result = -2;
-                break;
-            }
-            counts[r] = -1;
-            if (!changed) continue;
-            if (w.tail < width) sf_fim_keep(&w, w.tail, width);
-            counts[r] = sf_fim_gather(&w, text + r * width, row_label, out_docs, out_mask, runs + r * width);
-        }
+    w.src = work, w.docs = cu != NULL ? work + room : NULL, w.splits = work + 2 * room, w.starts = work + 3 * room;
+    w.lengths = w.starts + pieces, w.fims = w.lengths + pieces;
+    int64_t *out_docs = cu != NULL ? w.fims + 3 * width : NULL;
+    float *floats = (float *)(w.fims + 4 * width);
+    w.values = floats, w.mask = label != NULL ? floats + width : NULL;
+    float *out_mask = label != NULL ? floats + width + room : NULL;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row_label = label != NULL ? label + r * (width - 1) : NULL;
+        sf_fim_load(&w, text + r * width, row_label, cu != NULL ? cu + r * cu_width : NULL, cu_width);
+        memset(&w.g, 0, sizeof w.g);
+        w.g.key[0] = (uint64_t)ids[r], w.g.key[1] = (uint64_t)params[2], w.g.pos = 4;
+        int changed = sf_fim_walk(&w);
+        if (changed < 0) return -2;
+        if (counts != NULL) counts[r] = -1;
+        if (!changed) continue;
+        if (w.tail < width) sf_fim_keep(&w, w.tail, width);
+        int64_t found = sf_fim_gather(&w, text + r * width, row_label, out_docs, out_mask,
+                                      runs != NULL ? runs + r * width : NULL);
+        if (counts != NULL) counts[r] = found;
     }
-    free(ints);
-    free(floats);
-    return result;
+    return 0;
 }
