@@ -35,7 +35,6 @@ MAX_LINES = 400
 # Shrink an entry when its module shrinks, and drop it once the module is back under MAX_LINES.
 LONG_FOR_NOW = {
     "statefulset.loading.loader": 500,  # being split this session (savable loader, delivery, state calls)
-    "statefulset.loading.state": 420,  # loading/ is being reworked alongside loader.py; split with it
 }
 
 
