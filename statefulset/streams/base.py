@@ -22,6 +22,7 @@ from statefulset.shards.faults import changed_error
 from statefulset.shards.reader import IndexedDataset
 from statefulset.shards.storage import local_version
 from statefulset.spec.model import DatasetSpec
+from statefulset.streams.compiled_gather import REFUSED
 from statefulset.streams.documents import Pieces, merge_pieces
 from statefulset.streams.provenance import Provenance, explain
 
@@ -207,12 +208,6 @@ class SampleStream:
         if self.refused is not None:
             raise self.refused
         p = numpy.asarray(positions, dtype=numpy.int64).reshape(-1)
-        if p.size and (int(p.min()) < 0 or (not self.unbounded and int(p.max()) >= self._length)):
-            bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
-            raise SequenceIndexError(
-                f"{self.split} stream: position {bad} is outside [0, {self._length})"
-                + ("" if self.unbounded else " (megatron packing builds a finite stream; raise num_samples)")
-            )
         width = self.seq_length + EXTRA
         if out is None:
             out = numpy.empty((p.size, width), dtype=numpy.int64)
@@ -221,12 +216,35 @@ class SampleStream:
             or not out.flags.c_contiguous
             or not numpy.can_cast(self.token_dtype, out.dtype, "safe")
         ):
+            self._check_positions(p)  # a position outside the stream is named first
             raise StatefulsetError(
                 f"gather: out must be C-contiguous {(p.size, width)} of a dtype holding {self.token_dtype}, "
                 f"got {out.shape} {out.dtype}"
             )
-        pieces = self._fill(p, out, want, masks) if p.size else None
+        if not p.size:
+            return out, None
+        # One compiled call for the whole batch where the stream has one (it checks the positions);
+        # otherwise, or for anything it refuses, the Python version, which names what is wrong.
+        pieces = self._fill_compiled(p, out, want, masks)
+        if pieces is REFUSED:
+            self._check_positions(p)
+            pieces = self._fill(p, out, want, masks)
         return out, pieces
+
+    def _check_positions(self, p: numpy.ndarray) -> None:
+        if p.size and (int(p.min()) < 0 or (not self.unbounded and int(p.max()) >= self._length)):
+            bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
+            raise SequenceIndexError(
+                f"{self.split} stream: position {bad} is outside [0, {self._length})"
+                + ("" if self.unbounded else " (megatron packing builds a finite stream; raise num_samples)")
+            )
+
+    def _fill_compiled(
+        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
+    ) -> Any:
+        """:meth:`_fill` in one compiled call (:mod:`statefulset.streams.compiled_gather`), or REFUSED
+        (nothing written) where the stream has none or it does not take these positions."""
+        return REFUSED
 
     def _fill(
         self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None

@@ -28,6 +28,7 @@ from statefulset.index.native.keys import derive_key
 from statefulset.index.native.windows import WindowSource
 from statefulset.spec.splits import SPLITS
 from statefulset.streams.base import OpenedSources, SampleStream, _fill_by_source, epoch_sizes, samples_per_epoch
+from statefulset.streams.compiled_gather import REFUSED, native_kernel
 from statefulset.streams.bestfit import BESTFIT_VERSION, _BinFiller, bestfit_sources, check_pad_id
 from statefulset.streams.documents import Pieces
 from statefulset.streams.members import members_of, trim
@@ -81,6 +82,26 @@ class StagedStream(SampleStream):
             self.offsets[k] = self.offsets[k - 1] + drawn
         self.schedule = _Locator(self)  # what provenance and the overview call
         self._offset_rows = self.offsets.tolist()
+        self._kernel: Any = None  # compiled_gather.BatchKernel, made at the first batch (False: none)
+        # One stage of one source read from its first sample: a position is that source's local sample.
+        first = self.stage_sources[0][0]
+        one = len(stages) == 1 and self.schedules[0] is None and self._offset_rows[0][first] == self._start_list[0]
+        self._only_source = first if one else None
+
+    def _fill_compiled(
+        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
+    ) -> Any:
+        kernel = self._kernel
+        if kernel is None:  # packing native; bestfit stays on its Python version
+            kernel = self._kernel = (not self.padded and native_kernel(self.sources, self.seq_length + 1)) or False
+        if kernel is False:
+            return REFUSED
+        if self._only_source is not None:  # the kernel refuses a negative position
+            return kernel.fill([self._only_source, positions], out, want, masks)
+        if int(positions.min()) < 0:
+            return REFUSED  # the Python version names it
+        which, local = self.locate(positions)
+        return kernel.fill([which, local], out, want, masks)
 
     @property
     def weights(self) -> list[float]:

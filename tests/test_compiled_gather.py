@@ -1,0 +1,155 @@
+"""Batch assembly in one compiled call (:mod:`statefulset.streams.compiled_gather`, issue 26).
+
+``stream.gather`` plans and copies a batch in one kernel call; the rows, their pieces (document
+boundaries) and their ``loss_mask`` must be the Python version's, bit for bit: over random
+positions of both packings, single sources and blends of several prefixes, positions in many
+epochs, documents shorter than a sample (many pieces per row) and empty sequences, every token
+dtype of ``out``; and with ``STATEFULSET_KERNELS=0`` nothing changes.
+"""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from statefulset import IndexedDatasetWriter
+from statefulset.errors import SequenceIndexError
+from statefulset.index import compiled
+from statefulset.streams.compiled_gather import REFUSED
+from statefulset.streams.opening import open_stream
+
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Three uint16 shards (one with a loss-mask shard), documents of 0 to ~200 tokens; a fourth of
+    documents of 0 to 2 tokens (rows of more pieces than a batch block holds at first)."""
+    root = tmp_path_factory.mktemp("compiled_gather")
+    prefixes = []
+    for i in range(4):
+        rng = numpy.random.default_rng(10 + i)
+        lengths = rng.geometric(1 / (20 + 30 * i), size=300 + 100 * i) - 1  # some empty
+        if i == 3:
+            lengths = rng.integers(0, 3, size=3000)
+        tokens = rng.integers(0, 60000, size=int(lengths.sum()), dtype=numpy.uint16)
+        prefix = str(root / f"shard{i}")
+        with IndexedDatasetWriter(prefix, numpy.uint16) as w:
+            at = 0
+            for n in lengths.tolist():
+                w.add_document(tokens[at : at + n])
+                at += n
+        if i == 1:
+            with IndexedDatasetWriter(prefix + "_loss_mask", numpy.uint8) as m:
+                at = 0
+                for n in lengths.tolist():
+                    m.add_document(rng.integers(0, 3, size=n, dtype=numpy.uint8))
+                    at += n
+        prefixes.append(prefix)
+    return root, prefixes
+
+
+def specs(root, prefixes):
+    blend = [0.5, prefixes[0], 0.3, prefixes[1], 0.2, prefixes[2]]
+    cache = str(root / "cache")
+    yield "megatron one", {"data_path": prefixes[0], "seq_length": SEQ, "split": "1", "seed": 5,
+                           "num_samples": 3000, "path_to_cache": cache}  # fmt: skip
+    yield "megatron blend", {"data_path": blend, "seq_length": SEQ, "split": "1", "seed": 6, "num_samples": 3000,
+                             "path_to_cache": cache}  # fmt: skip
+    yield "megatron masked", {"data_path": prefixes[1], "seq_length": SEQ, "split": "1", "seed": 7,
+                              "num_samples": 2000, "path_to_cache": cache}  # fmt: skip
+    yield "native one", {"data_path": prefixes[0], "seq_length": SEQ, "split": "1", "seed": 5, "packing": "native"}
+    yield "native blend", {"data_path": blend, "seq_length": SEQ, "split": "1", "seed": 6, "packing": "native"}
+    yield "megatron tiny", {"data_path": prefixes[3], "seq_length": SEQ, "split": "1", "seed": 8,
+                            "num_samples": 500, "path_to_cache": cache}  # fmt: skip
+    yield "native tiny", {"data_path": prefixes[3], "seq_length": SEQ, "split": "1", "seed": 8, "packing": "native"}
+    yield "native masked", {"data_path": prefixes[1], "seq_length": SEQ, "split": "1", "seed": 7, "packing": "native"}
+
+
+def positions(stream, rng, rows):
+    high = len(stream) if not stream.unbounded else 50 * len(stream)  # native: 50 epochs of windows
+    return rng.integers(0, high, size=rows)
+
+
+def batches(stream, p, dtype=numpy.int64):
+    """gather, gather_pieces and gather_masked of ``p``, as arrays."""
+    out = [stream.gather(p, numpy.empty((p.size, SEQ + 1), dtype=dtype))]
+    text, pieces = stream.gather_pieces(p)
+    out += [text, pieces.counts, pieces.lengths, pieces.used]
+    text, pieces, labels = stream.gather_masked(p)
+    out += [text, pieces.counts, pieces.lengths, labels]
+    return out
+
+
+def python_batches(stream, p, dtype=numpy.int64):
+    """The same from the Python version (the stream's _fill, as before the kernel)."""
+    out = numpy.empty((p.size, SEQ + 1), dtype=dtype)
+    stream._fill(p, out, False)
+    result = [out]
+    text = numpy.empty((p.size, SEQ + 1), dtype=numpy.int64)
+    pieces = stream._fill(p, text, True)
+    result += [text, pieces.counts, pieces.lengths, pieces.used]
+    text = numpy.empty((p.size, SEQ + 1), dtype=numpy.int64)
+    labels = numpy.empty((p.size, SEQ), dtype=numpy.float32)
+    pieces = stream._fill(p, text, True, labels)
+    return result + [text, pieces.counts, pieces.lengths, labels]
+
+
+def assert_same(ours, theirs, what):
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype, what
+        numpy.testing.assert_array_equal(a, b, err_msg=what)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_one_call_equals_the_python_version(shards, rows):
+    root, prefixes = shards
+    rng = numpy.random.default_rng(rows)
+    for name, spec in specs(root, prefixes):
+        stream = open_stream(spec)
+        for trial in range(20):
+            p = positions(stream, rng, rows)
+            assert stream._fill_compiled(p, numpy.empty((rows, SEQ + 1), numpy.int64), False, None) is not REFUSED
+            dtype = (numpy.int64, numpy.uint16, numpy.int32)[trial % 3]
+            assert_same(batches(stream, p, dtype), python_batches(stream, p, dtype), f"{name} {p}")
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    monkeypatch.setenv("STATEFULSET_KERNELS", "0")
+    compiled._reset()
+    yield
+    monkeypatch.undo()
+    compiled._reset()
+
+
+def test_without_kernels_the_rows_are_the_same(shards):
+    root, prefixes = shards
+    rng = numpy.random.default_rng(0)
+    streams = [(name, open_stream(spec)) for name, spec in specs(root, prefixes)]
+    cases = [(name, s, positions(s, rng, 8)) for name, s in streams for _ in range(5)]
+    with_kernels = [batches(s, p) for _, s, p in cases]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STATEFULSET_KERNELS", "0")
+    compiled._reset()
+    try:
+        assert not compiled.available()
+        for (name, s, p), expected in zip(cases, with_kernels, strict=True):
+            assert s._fill_compiled(p, numpy.empty((8, SEQ + 1), numpy.int64), False, None) is REFUSED
+            assert_same(batches(s, p), expected, name)
+    finally:
+        mp.undo()
+        compiled._reset()
+
+
+def test_positions_outside_the_stream_are_named(shards):
+    root, prefixes = shards
+    for name, spec in specs(root, prefixes):
+        stream = open_stream(spec)
+        bad = [-1] if stream.unbounded else [-1, len(stream)]
+        for b in bad:
+            with pytest.raises(SequenceIndexError, match=f"position {b} is outside"):
+                stream.gather([0, b, 1])
+    valid = open_stream({**dict(specs(root, prefixes))["native blend"], "split": "50,25,25"}, "valid")
+    with pytest.raises(SequenceIndexError, match=f"position {len(valid)} is outside"):
+        valid.gather([0, len(valid)])
