@@ -75,7 +75,9 @@ def _cpu_seconds(pid: int, thread: int | None = None) -> float:
 
 class CpuMeter:
     """``--cpu``: the CPU each step took in the trainer (all its threads), in its helper thread (the
-    batches built in the trainer) and in the workers, for a machine too loaded for wall clocks."""
+    batches built in the trainer, when they are built there: with a task encoder or object storage;
+    else on the trainer's own thread, 0 here) and in the workers, for a machine too loaded for wall
+    clocks."""
 
     def __init__(self) -> None:
         self.rows: dict[str, list[tuple[float, float, float]]] = {"first": [], "second": [], "other": []}
