@@ -3,8 +3,8 @@
 spec → shards → index → streams → transforms → loading → integrations; parallel beside them; tools on top.
 A module may import only its own layer and the layers below it, no import cycle exists (imports
 inside functions count; ``if TYPE_CHECKING:`` blocks do not), no module grows past 400 lines (the
-few listed in ``LONG_FOR_NOW`` excepted, each until it is split), and ``import statefulset`` imports
-no framework.
+few listed in ``LONG_FOR_NOW`` excepted, each until it is split), no function grows past 80 lines (the
+few listed in ``LONG_FUNCTIONS_FOR_NOW`` excepted), and ``import statefulset`` imports no framework.
 """
 
 from __future__ import annotations
@@ -35,6 +35,17 @@ MAX_LINES = 400
 # Shrink an entry when its module shrinks, and drop it once the module is back under MAX_LINES.
 LONG_FOR_NOW = {
     "statefulset.loading.loader": 500,  # being split this session (savable loader, delivery, state calls)
+}
+
+MAX_FUNCTION_LINES = 80
+# Functions still over MAX_FUNCTION_LINES, with the most lines each may have until it is split into named
+# helpers. Shrink an entry when its function shrinks, and drop it once the function is back under the limit.
+LONG_FUNCTIONS_FOR_NOW = {
+    "statefulset.integrations.megatron.builder.build_megatron_iterators": 129,  # to split into named helpers
+    "statefulset.tools.cli.build_parser": 126,  # to split: one helper per group of subcommands
+    "statefulset.streams.opening._open": 87,  # to split into named helpers
+    # statefulset/streams/megatron.py is being edited by another change this session; split it after that lands.
+    "statefulset.streams.megatron.open_megatron": 85,
 }
 
 
@@ -153,6 +164,44 @@ def test_modules_stay_small():
     # An exception that no longer applies goes, so the list only ever shrinks.
     stale = sorted(m for m in LONG_FOR_NOW if lines.get(m, 0) <= MAX_LINES)
     assert not stale, f"back under {MAX_LINES} lines: remove from LONG_FOR_NOW: {stale}"
+
+
+def _function_lengths(path: Path, module: str) -> dict[str, int]:
+    """The length of every function (methods and nested functions too) in ``path``, by qualified name.
+
+    The rule: a function's length is its body's lines after the docstring, every physical line up to the
+    function's last one counted, comments and blank lines included (they are what a reader scrolls through);
+    the ``def`` line, its decorators and its docstring are not counted. A nested function's lines count
+    both for itself and for the function around it.
+    """
+    lengths: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}.{child.name}"
+                first = child.body[0]
+                has_docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                has_docstring = has_docstring and isinstance(first.value.value, str)
+                start = first.end_lineno + 1 if has_docstring else first.lineno
+                lengths[name] = max(0, child.end_lineno - start + 1)
+                visit(child, name)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}.{child.name}")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), module)
+    return lengths
+
+
+def test_functions_stay_short():
+    lengths = {name: n for m, p in FILES.items() for name, n in _function_lengths(p, m).items()}
+    long = {name: n for name, n in lengths.items() if n > LONG_FUNCTIONS_FOR_NOW.get(name, MAX_FUNCTION_LINES)}
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named helpers): {long}"
+    # An exception that no longer applies goes, so the list only ever shrinks.
+    stale = sorted(f for f in LONG_FUNCTIONS_FOR_NOW if lengths.get(f, 0) <= MAX_FUNCTION_LINES)
+    assert not stale, f"back under {MAX_FUNCTION_LINES} lines: remove from LONG_FUNCTIONS_FOR_NOW: {stale}"
 
 
 def test_no_grab_bag_modules():
