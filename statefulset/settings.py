@@ -128,6 +128,11 @@ TEST_GATE = Setting(
     "number is at least the one the file holds; blank holds all), at most STATEFULSET_TASK_TIMEOUT, so that "
     "a fault test's kill always lands mid-run.",
 )  # fmt: skip
+PIECE_CACHE = Setting(
+    "STATEFULSET_PIECE_CACHE", True, _boolean, "one of 1/true/yes/on or 0/false/no/off",
+    "0 sends every text through the Hugging Face tokenizer's own pipeline; by default a GPT-2 style byte-level "
+    "BPE encodes each distinct piece of ASCII text once per process (the same ids, faster).",
+)  # fmt: skip
 POOL_LOG_SECONDS = Setting(
     "STATEFULSET_POOL_LOG_SECONDS", 60.0, _positive_seconds, "a positive number of seconds",
     "preprocess --workers logs what it still waits for at this interval.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from itertools import chain
@@ -16,9 +17,13 @@ from typing import Protocol
 
 import numpy
 
+from statefulset import settings
 from statefulset.errors import StatefulsetError
+from statefulset.shards import piece_cache
+from statefulset.shards.piece_cache import PieceCache
 
 BYTES = "bytes"
+logger = logging.getLogger("statefulset")
 
 
 class Tokenizer(Protocol):
@@ -87,6 +92,30 @@ class HFTokenizer:
         self.add_special_tokens = add_special_tokens
         self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eod(folder, eod_token)
+        # encode_batch_fast (tokenizers 0.21+): the same ids as encode_batch, without computing offsets
+        self._batch = getattr(self._backend, "encode_batch_fast", None)
+        if self._batch is None:
+            logger.warning(
+                "%s: this tokenizers package has no encode_batch_fast (0.21+): encoding with offsets, slower", file
+            )
+            self._batch = self._backend.encode_batch
+        self._pieces = self._piece_cache()
+
+    def _piece_cache(self) -> PieceCache | None:
+        """The piece cache where it gives this tokenizer's ids (:mod:`statefulset.shards.piece_cache`)."""
+        if not settings.PIECE_CACHE.get():
+            return None
+        config = json.loads(self._backend.to_str())
+        reason = piece_cache.unsupported(config)
+        if reason is not None:
+            logger.debug("%s: every text through the tokenizer's pipeline: %s", self.path, reason)
+            return None
+        added = [t["content"] for t in config.get("added_tokens") or [] if t.get("content")]
+        return PieceCache(self._encode_ids, added)
+
+    def _encode_ids(self, texts: list[str]) -> list[list[int]]:
+        encodings = self._batch(texts, add_special_tokens=self.add_special_tokens)
+        return [e.ids for e in encodings]
 
     def _find_eod(self, folder: str, eod_token: str | None) -> int | None:
         if eod_token is not None:
@@ -114,8 +143,9 @@ class HFTokenizer:
         return None
 
     def encode_batch(self, texts: list[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
-        encodings = self._backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
-        ids = [e.ids for e in encodings]
+        if self._pieces is not None:
+            return self._pieces.encode_batch(texts)
+        ids = self._encode_ids(texts)
         lengths = numpy.fromiter(map(len, ids), numpy.int64, count=len(ids))
         tokens = numpy.fromiter(chain.from_iterable(ids), numpy.int64, count=int(lengths.sum()))
         return tokens, lengths
