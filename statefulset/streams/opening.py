@@ -71,25 +71,48 @@ def cache_folder(spec: DatasetSpec) -> str:
 
 
 def _open(spec: DatasetSpec, split: str) -> SampleStream:
+    live, num_samples = _live_blend(spec, split)
+    per_split = spec.data_path is None and spec.stages is None
+    # Derived indices and facts about shard versions (full check passed, content digest) live in
+    # path_to_cache, so every node that mounts it trusts them; without one, in this node's default
+    # cache, so that processes and workers of a node never rebuild what another one built.
+    cache_root = cache_folder(spec)
+    memo = os.path.join(cache_root, "facts")
+    datasets, ranges, found = _open_sources(spec, split, live, per_split, memo)
+    digests = [d.content for d in found]
+    # A plain data_path is the one-stage schedule (CONTRACT §12): the same stream, so a state saved
+    # on it restores into a schedule that begins with it and a run can be annealed later.
+    scheduled = split == "train" and (
+        spec.stages is not None or (spec.data_path is not None and spec.packing in ("native", "bestfit"))
+    )
+    identity = _identity(spec, split, per_split, num_samples, scheduled, live, ranges, found)
+    weighted = live[0][1] is not None
+    opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests, cache_root)
+    stream = _hand_over(spec, split, identity, opened, scheduled)
+    _describe_sources(stream, live, datasets, ranges, found)
+    return stream
+
+
+def _live_blend(spec: DatasetSpec, split: str) -> tuple[list[tuple[str, float | None]], int | None]:
+    """The split's sources with a weight above zero (or no weight), and its sample count; refuses an empty split."""
     selected = spec.blend_for(split)
     if selected is None:
         if spec.data_path is not None:
             raise spec.error("split", f"the {split} split is empty (split {spec.split!r} gives it no share)")
         raise spec.error(split, f"the {split} split is empty: the spec has no {split}: section")
     blend, num_samples = selected
-    live = [(prefix, weight) for prefix, weight in blend if weight is None or weight > 0]
-    weighted = live[0][1] is not None
-    per_split = spec.data_path is None and spec.stages is None
+    return [(prefix, weight) for prefix, weight in blend if weight is None or weight > 0], num_samples
+
+
+def _open_sources(
+    spec: DatasetSpec, split: str, live: list[tuple[str, float | None]], per_split: bool, memo: str
+) -> tuple[list[IndexedDataset], list[tuple[int, int]], list[ShardDigest]]:
+    """Each source's shards (with its loss mask), its sequence range in the split, and its digest, in order."""
     if per_split:
         bookends: tuple[float, float] = (0.0, 1.0)
     else:
         bookends = split_matrix(parse_split(spec.split))[SPLITS.index(split)]
-    # Derived indices and facts about shard versions (full check passed, content digest) live in
-    # path_to_cache, so every node that mounts it trusts them; without one, in this node's default
-    # cache, so that processes and workers of a node never rebuild what another one built.
-    cache_root = cache_folder(spec)
-    memo = os.path.join(cache_root, "facts")
-    datasets, ranges, digests = [], [], []
+    datasets, ranges = [], []
     found: list[ShardDigest] = []
     data_key = spec.data_key(split)
     for prefix, _ in live:
@@ -107,8 +130,21 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         with spec.blame(data_key):
             dataset.loss_mask = loss_masks.open_mask(dataset, memo)
             found.append(with_mask(identify(dataset, memo), dataset.loss_mask, memo))
-            digests.append(found[-1].content)
-    identity = {
+    return datasets, ranges, found
+
+
+def _identity(
+    spec: DatasetSpec,
+    split: str,
+    per_split: bool,
+    num_samples: int | None,
+    scheduled: bool,
+    live: list[tuple[str, float | None]],
+    ranges: list[tuple[int, int]],
+    found: list[ShardDigest],
+) -> dict[str, Any]:
+    """What a state's fingerprint covers: packing, split, seq_length, seed and the sources (CONTRACT §12)."""
+    identity: dict[str, Any] = {
         "packing": spec.packing,
         "split": split,
         "split_ratios": None if per_split else spec.split,
@@ -116,12 +152,7 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
         "seed": spec.seed,
         "num_samples": num_samples if spec.packing == "megatron" else None,
     }
-    # A plain data_path is the one-stage schedule (CONTRACT §12): the same stream, so a state saved
-    # on it restores into a schedule that begins with it and a run can be annealed later. A
-    # schedule's weights live in its stages, so its sources are described without them.
-    scheduled = split == "train" and (
-        spec.stages is not None or (spec.data_path is not None and spec.packing in ("native", "bestfit"))
-    )
+    # A schedule's weights live in its stages, so its sources are described without them.
     described_live = [(prefix, None) for prefix, _ in live] if scheduled else live
     identity["data"] = _sources_digest([{"digest": d.content} for d in found], ranges, live)
     # Per source, a few hex digits of its .idx/range/weight and of its .bin: what lets a refused
@@ -132,17 +163,32 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     ]
     identity["shards"] = shard_checks(described, [d.bin for d in found])
     # So that a refusal can say which weight or range differs (streams.members), while small.
-    identity["members"] = members_of(digests, ranges, [w for _, w in described_live])
+    identity["members"] = members_of([d.content for d in found], ranges, [w for _, w in described_live])
     trim(identity)
-    opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests, cache_root)
+    return identity
+
+
+def _hand_over(
+    spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources, scheduled: bool
+) -> SampleStream:
+    """The stream the spec's packing (or its schedule of stages) makes of the opened sources."""
     if scheduled:
-        stream: SampleStream = open_staged(spec, split, identity, opened)
-    elif spec.packing == "native":
-        stream = open_native(spec, split, identity, opened)
-    elif spec.packing == "bestfit":
-        stream = open_bestfit(spec, split, identity, opened)
-    else:
-        stream = open_megatron(spec, split, identity, opened)
+        return open_staged(spec, split, identity, opened)
+    if spec.packing == "native":
+        return open_native(spec, split, identity, opened)
+    if spec.packing == "bestfit":
+        return open_bestfit(spec, split, identity, opened)
+    return open_megatron(spec, split, identity, opened)
+
+
+def _describe_sources(
+    stream: SampleStream,
+    live: list[tuple[str, float | None]],
+    datasets: list[IndexedDataset],
+    ranges: list[tuple[int, int]],
+    found: list[ShardDigest],
+) -> None:
+    """Set what the loader needs to know of the stream's sources on ``stream``."""
     # Batches travel between processes in the narrowest dtype that holds every source's tokens
     # (and the padding id, for packing bestfit).
     dtypes = [d.dtype for d in datasets]
@@ -157,7 +203,6 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     # A mask shard is read as its tokens are: pinned and checked for replacement the same way.
     stream.shards = list(datasets) + [d.loss_mask for d in datasets if d.loss_mask is not None]
     stream.masked = any(d.loss_mask is not None for d in datasets)
-    return stream
 
 
 def with_mask(tokens: ShardDigest, mask: IndexedDataset | None, memo: str) -> ShardDigest:
