@@ -153,3 +153,29 @@ def test_positions_outside_the_stream_are_named(shards):
     valid = open_stream({**dict(specs(root, prefixes))["native blend"], "split": "50,25,25"}, "valid")
     with pytest.raises(SequenceIndexError, match=f"position {len(valid)} is outside"):
         valid.gather([0, len(valid)])
+
+
+def test_refusals_write_nothing(shards):
+    """Bad arguments, a position past the stream, a source or local sample out of range: -1 and
+    ``out`` untouched (the caller then runs the Python version, which names what is wrong)."""
+    root, prefixes = shards
+    lib = compiled.library()
+    named = dict(specs(root, prefixes))
+    for name, inputs, bad in [
+        ("megatron blend", 1, [[5, None]]),  # None: the stream's length
+        ("megatron one", 1, [[-1, 3]]),
+        ("native blend", 2, [[0, 0, 1, -1], [0, 3, 1, 2]]),  # a negative local sample; source 3 of 3
+    ]:
+        stream = open_stream(named[name])
+        stream.gather(numpy.arange(2))
+        kernel = stream._kernel
+        for values in bad:
+            values = [len(stream) if v is None else v for v in values]
+            for table, kind in [(kernel.table, 5), (kernel.table, 9), (numpy.concatenate([[0], kernel.table[1:]]), 5)]:
+                out = numpy.full((2, SEQ + 1), 77, dtype=numpy.int64)
+                block = numpy.zeros(4 + (inputs + 3) * 2 + 2 * 128, dtype=numpy.int64)
+                block[:4] = [2, kind, 128, 1]
+                good = [0, 1] if inputs == 1 else [0, 0, 0, 1]
+                block[4 : 4 + 2 * inputs] = values if kind == 5 and table is kernel.table else good
+                assert lib.sf_gather_batch(table.ctypes.data, block.ctypes.data, out.ctypes.data, None) == -1, name
+                assert (out == 77).all(), name
