@@ -161,10 +161,13 @@ def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale
     prefetched batch, and so does the change 2 -> 3 that moves it from rank 0 to 2 (its new batch is
     the old plan's next but one, which the trainer already received: the bundle of 4 taken at step
     14); the trainer builds only the first step, the other changes that move it, and the repeated
-    step."""
+    step, on its own thread (local files, no task encoder: no helper thread to wake)."""
+    import threading
+
     quorum = ScriptedQuorum(3, 1)
     wc = WorkerConfig(rank=1, world_size=2, num_workers=2)  # rank 1 of a replica group of 2
     ds = get_train_dataset(spec, batch_size=3, worker_config=wc)
+    before = set(threading.enumerate())
     loader = FaultTolerantLoader(ds, quorum, prefetch_factor=2)
     script = [(3, 1)] * 5 + [(2, 1)] * 5 + [(2, 0)] * 5 + [(3, 2)] * 5 + [(1, 0)] * 4
     pids = None
@@ -185,6 +188,9 @@ def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale
         quorum.commit(ok=step != 17)  # step 17 fails: the same rows at step 18
     assert loader.workers.discarded > 0  # the old plans' prefetch was there, and dropped
     assert loader.built_here == 4  # steps 0, 10, 18 (the repeat) and 20
+    # Built on the trainer's own thread, watched by the guard: no helper thread was started.
+    started = {t.name for t in set(threading.enumerate()) - before if t.name.startswith("statefulset")}
+    assert started == {"statefulset-torchft-watch"}  # torch's queue feeders aside
     assert sorted(p.pid for p in multiprocessing.active_children()) == sorted(pids)
     del loader, batch, pool
     gc.collect()
