@@ -159,8 +159,9 @@ def test_through_the_loader_workers_equal_ds(shard, packing, boundaries):
     fim = FillInTheMiddle(0.7, 0.5, 90001, 90002, 90003, 90004, split_sample=15, fragment_rate=0.5, eod_id=EOD)
     wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
     ds = get_train_dataset(spec, batch_size=4, worker_config=wc, task_encoder=fim, document_boundaries=boundaries)
-    fimmed = 0
+    fimmed, seen = 0, []
     for _, batch in zip(range(6), get_savable_loader(ds), strict=False):
+        seen += batch["sample_id"].tolist()
         for j, position in enumerate(batch["sample_id"].tolist()):
             row = ds[position]
             for name, value in row.fields().items():
@@ -168,7 +169,7 @@ def test_through_the_loader_workers_equal_ds(shard, packing, boundaries):
                     continue
                 assert numpy.array_equal(batch[name][j].numpy(), numpy.asarray(value)), (name, position)
             fimmed += int((row.text == 90001).any())
-    assert fimmed
+    assert fimmed and seen == list(range(24))
 
 
 def test_the_kernel_refuses_bad_arguments_before_writing():
@@ -201,3 +202,25 @@ def test_the_kernel_refuses_bad_arguments_before_writing():
     assert numpy.array_equal(text, before) and counts.tolist() == [7, 7]
     assert call(good) == 0 and not numpy.array_equal(text, before)
     assert counts.tolist() == [0, 0]  # changed, no documents
+
+
+def test_sentinels_beyond_the_corpus_dtype_leave_the_ring_and_stay_exact(tmp_path):
+    """uint16 tokens, sentinels above 65535: the FIM'd rows do not fit the ring's dtype, so the micro-batch
+    travels as the encoder's own collated batch (as_samples, then the default collate), still = ds[p]."""
+    prefix = str(tmp_path / "small")
+    with IndexedDatasetWriter(prefix, numpy.uint16) as writer:
+        for k in range(60):
+            n = 3 + (k * 5) % 17
+            writer.add_document(numpy.append(numpy.arange(n - 1, dtype=numpy.uint16) + 100 * k + 10, EOD), lengths=[n])
+    spec = {"data_path": [prefix], "seq_length": 23, "packing": "native", "split": "1", "seed": 2}
+    fim = FillInTheMiddle(0.9, 0.5, 70001, 70002, 70003, 70004, eod_id=EOD)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+    ds = get_train_dataset(spec, batch_size=4, worker_config=wc, task_encoder=fim)
+    fimmed, seen = 0, []
+    for _, batch in zip(range(4), get_savable_loader(ds), strict=False):
+        for j, position in enumerate(batch["sample_id"].tolist()):
+            row = ds[position]
+            assert numpy.array_equal(batch["text"][j].numpy(), row.text), position
+            fimmed += int((row.text == 70001).any())
+            seen.append(position)
+    assert fimmed and seen == list(range(16))  # each position once, in order
