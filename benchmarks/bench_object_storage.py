@@ -48,6 +48,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from corpus import OUT_DIR, make_corpus  # noqa: E402
+from object_storage_table import markdown  # noqa: E402
 from process_cpu import tree_cpu  # noqa: E402
 from provenance import summary, write_results  # noqa: E402
 
@@ -57,7 +58,8 @@ LATENCY = 0.010
 INFLIGHT = 32  # our loader's request limit per process (STATEFULSET_STORAGE_MAX_REQUESTS)
 PIECE_SAMPLES = 8192  # samples whose requests the store-capacity loop cycles through
 EXTRA = ("megatron-core", "s3fs", "obstore", "boto3")
-KEYS = ("tokens_per_s", "requests_per_sample", "open_and_first_batch_s", "requests_per_s", "client_cpu_ms_per_request")
+KEYS = ("tokens_per_s", "requests_per_sample", "open_and_first_batch_s", "requests_per_s", "client_cpu_ms_per_request",
+        "requests_per_built_sample")  # fmt: skip
 
 
 def _shard(docs: int) -> str:
@@ -86,21 +88,26 @@ def _digest(tokens) -> str:
     return hashlib.sha256(numpy.ascontiguousarray(tokens.numpy().astype(numpy.int64)).tobytes()).hexdigest()[:16]
 
 
-def _measure(batches, seconds: float, digest) -> dict:
-    """tokens/s and ranged GETs per sample over a window after the first batch (read-ahead excluded)."""
+def _measure(batches, seconds: float, digest, counters=None) -> dict:
+    """tokens/s and ranged GETs per sample over a window after the first batch (read-ahead excluded);
+    ``counters``: the loader's own (requests, batches built), counted over the same window."""
     start = time.perf_counter()
     first = digest(next(batches))
     first_s = time.perf_counter() - start
-    before, cpu = _proxy_stats(), tree_cpu()
+    before, cpu, own = _proxy_stats(), tree_cpu(), counters() if counters else None
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         next(batches)
         count += 1
     elapsed, cpu = time.perf_counter() - start, tree_cpu() - cpu
     ranged = _proxy_stats()["ranged"] - before["ranged"]
-    return {"first_batch_s": first_s, "batches": count, "seconds": elapsed, "tokens_per_s": count * B * S / elapsed,
-            "requests_per_sample": ranged / max(1, count * B), "digest": first,
-            "client_cpu_ms_per_request": cpu * 1e3 / max(1, ranged)}  # fmt: skip
+    out = {"first_batch_s": first_s, "batches": count, "seconds": elapsed, "tokens_per_s": count * B * S / elapsed,
+           "requests_per_sample": ranged / max(1, count * B), "digest": first,
+           "client_cpu_ms_per_request": cpu * 1e3 / max(1, ranged)}  # fmt: skip
+    if own is not None:  # the requests per sample the loader's processes sent for the samples they built
+        requests, built = (b - a for a, b in zip(own, counters(), strict=True))
+        out["requests_per_built_sample"] = requests / max(1, built * B)
+    return out
 
 
 def run_ours(job: dict) -> dict:
@@ -111,7 +118,12 @@ def run_ours(job: dict) -> dict:
     start = time.perf_counter()
     wc = WorkerConfig(rank=0, world_size=1, num_workers=job["workers"])
     loader = get_savable_loader(get_train_dataset(spec, batch_size=B, worker_config=wc), prefetch_factor=4)
-    result = _measure(iter(loader), job["seconds"], lambda batch: _digest(batch["text"]))
+
+    def counters() -> tuple[float, float]:
+        found = loader.metrics()
+        return found["storage/requests"], found["read_ahead/batches"]
+
+    result = _measure(iter(loader), job["seconds"], lambda batch: _digest(batch["text"]), counters)
     result["open_and_first_batch_s"] = time.perf_counter() - start - result["seconds"]
     return result
 
@@ -328,65 +340,6 @@ def _report(args: argparse.Namespace, prefix: str, mix: dict, rows: list[dict], 
         "inflight_per_process": INFLIGHT, **mix, "same_first_batch": len(digests) == 1,
         "rounds_done": len(rounds), "wall_s": round(time.time() - started, 1), "results": results,
     }  # fmt: skip
-
-
-def _cell(stat: dict | None, scale: float = 1.0, fmt: str = "{:.3g}") -> str:
-    if not stat:
-        return "—"
-    return f"{fmt.format(stat['median'] * scale)} ({fmt.format(stat['min'] * scale)}–{fmt.format(stat['max'] * scale)})"
-
-
-def markdown(report: dict) -> str:
-    """The table of docs/benchmarks.md (medians, min–max over the rounds)."""
-    done = report.get("rounds_done", report["rounds"])
-    rows = [
-        f"{report['tokens'] / 1e6:.0f}M-token shard, {report['docs']:,} documents, GPTDataset num_samples "
-        f"{report['num_samples']:,}, B={report['batch']}, S={report['seq']}, {report['latency_s'] * 1e3:.0f} ms "
-        f"added per request, {done} rounds of {report['seconds']:g} s per row; a sample spans "
-        f"{report['documents_per_sample']:.2f} documents, {report['merged_requests_per_sample']:.2f} requests "
-        f"after merging; first batch identical on every loader row: {'yes' if report['same_first_batch'] else 'NO'}.",
-        "",
-        "| Row | tokens/s (k) | requests/sample | client CPU ms/request | ÷ store capacity, same processes "
-        "| ÷ megatron-core's best | finished |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for name, r in report["results"].items():
-        rows.append(
-            f"| {name} | {_cell(r.get('tokens_per_s'), 1e-3, '{:.0f}')} "
-            f"| {_cell(r.get('requests_per_sample'), 1, '{:.2f}')} "
-            f"| {_cell(r.get('client_cpu_ms_per_request'), 1, '{:.2f}')} "
-            f"| {_cell(r.get('of_store_capacity'), 100, '{:.0f}%')} | {_cell(r.get('to_megatron_best'), 1, '{:.2f}×')} "
-            f"| {r['finished']} |"
-        )
-    return "\n".join(rows + _verdict(report))
-
-
-def _verdict(report: dict) -> list[str]:
-    """The sentences the docs quote, from the file: ours against megatron-core's best and the store."""
-    results = report["results"]
-    ours = {k: v for k, v in results.items() if v["kind"] == "ours" and "tokens_per_s" in v}
-    megatron = {k: v for k, v in results.items() if v["kind"] == "megatron" and "tokens_per_s" in v}
-    if not ours or not megatron:
-        return []
-    best_ours = max(ours, key=lambda k: ours[k]["tokens_per_s"]["median"])
-    best_megatron = max(megatron, key=lambda k: megatron[k]["tokens_per_s"]["median"])
-    mine = ours[best_ours]
-    lines = [
-        "",
-        f"Ours' best row ({best_ours.split(', ', 2)[-1]}) against megatron-core's best row of each round: "
-        f"{_cell(mine.get('to_megatron_best'), 1, '{:.2f}×')} (megatron-core's best by median: "
-        f"{best_megatron.split(', ', 1)[-1]}, {megatron[best_megatron]['tokens_per_s']['median'] / 1e3:.0f}k "
-        "tokens/s).",
-    ]
-    capacity = [f"{k.split(', ', 2)[-1]}: {_cell(v.get('of_store_capacity'), 100, '{:.0f}%')}" for k, v in ours.items()]
-    lines.append("Ours as a fraction of the store's capacity at as many processes, " + "; ".join(capacity) + ".")
-    failed = [
-        f"{k} ({v['finished']})"
-        for k, v in results.items()
-        if v["finished"].split("/")[0] != v["finished"].split("/")[1]
-    ]
-    lines.append("Rows that failed in a round: " + (", ".join(failed) if failed else "none") + ".")
-    return lines
 
 
 if __name__ == "__main__":

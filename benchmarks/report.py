@@ -64,7 +64,7 @@ def machine(name: str) -> str:
 
 @from_results("object_storage", "bench_object_storage")
 def object_storage(record: dict) -> str:
-    from bench_object_storage import markdown
+    from object_storage_table import markdown
 
     return markdown(record) + "\n"
 
