@@ -128,3 +128,18 @@ def test_every_read_equals_the_metrics_computed_from_scratch(spec, workers):
     again = _made(spec, workers, state)  # restored: read before iterating, then the queue comes
     _checked_read(again)
     _walk(again, rng, 40)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_reads_after_every_batch_across_the_stage_changes_equal_the_metrics_computed_from_scratch(spec, workers):
+    """A logger's reads (one step, run long): most are looked up among the positions one walk of the blend
+    tree covered ahead, a walk stops at the stage's end (the weights there are the next stage's), and the
+    reads after each stage change must show its weights."""
+    loader = _made(spec, workers)
+    it = iter(loader)
+    weights = set()
+    for _ in range(100):  # positions 4 .. 400: past the stage changes at 96 and 300
+        next(it)
+        got = _checked_read(loader)
+        weights.add(tuple(v for k, v in got.items() if k.endswith("/weight")))
+    assert len(weights) == 3

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import weakref
 from bisect import bisect_left
+from time import perf_counter
 from typing import Any
 
 import numpy
@@ -26,7 +27,7 @@ from statefulset.loading import torch_internals
 from statefulset.loading.batches import BatchSource, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
-from statefulset.loading.metrics import Meter, Timer
+from statefulset.loading.metrics import Meter
 from statefulset.loading.ring import BatchRing, bundle_size
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog
@@ -109,7 +110,7 @@ class Delivery:
         self.restarted = self.superseded = False
         self.in_process: InProcessSource | None = None
         self.meter: Meter = options["meter"]
-        # For ready_batches: [ring, a view of its slots' end stamps, their bytes at the last read, sorted]
+        # For ready_batches: [ring, a view of its slots' stamps, their bytes at the last read, the end stamps sorted]
         self._ends: list[Any] | None = None
         # Weakly: a strong reference made a cycle (delivery -> meter -> delivery) that kept a dropped
         # loader's persistent workers alive until a garbage collection.
@@ -194,14 +195,16 @@ class Delivery:
             raise
 
     def __next__(self) -> Any:
-        with Timer(self.meter):
-            try:
-                batch = self._next()
-            except RuntimeError as exc:  # a worker died: torch says so wherever the trainer is
-                named = named_worker_death(exc, describe_batch(self.source, self.next_t, self.workers))
-                if named is None:
-                    raise
-                raise named from exc
+        start = perf_counter()  # the data wait (statefulset.loading.metrics): inline, no timer object a batch
+        try:
+            batch = self._next()
+        except RuntimeError as exc:  # a worker died: torch says so wherever the trainer is
+            named = named_worker_death(exc, describe_batch(self.source, self.next_t, self.workers))
+            if named is None:
+                raise
+            raise named from exc
+        finally:
+            self.meter.wait += perf_counter() - start
         self.meter.batches += 1
         return batch
 
@@ -226,18 +229,19 @@ class Delivery:
         """Batches built ahead and not handed out yet: the rest of the current bundle, then every ring
         slot a worker has filled with a later bundle (its end stamp at or past the next batch).
 
-        Read after every batch if need be: the slots' end stamps change once a bundle, so their bytes
-        are compared with the last read's and sorted again only when a worker wrote one; the count
+        Read after every batch if need be: the slots' stamps change twice a bundle, so their bytes
+        (all of them: a contiguous copy costs half a strided one of the end stamps alone) are compared
+        with the last read's and the end stamps sorted again only when a worker wrote one; the count
         is then a bisection of that sorted list (exact: the same count as a scan of the stamps)."""
         ring = self.source.ring if self.workers else None
         if ring is None:
             return len(self.ready)
         ends = self._ends
         if ends is None or ends[0] is not ring:  # a view of the shared stamps, made once per ring
-            ends = self._ends = [ring, ring.stamps.numpy().reshape(-1)[1::2], b"", []]
+            ends = self._ends = [ring, ring.stamps.numpy(), b"", []]
         stamps = ends[1].tobytes()
         if stamps != ends[2]:
-            ends[2], ends[3] = stamps, sorted(numpy.frombuffer(stamps, dtype=numpy.int64).tolist())
+            ends[2], ends[3] = stamps, sorted(numpy.frombuffer(stamps, dtype=numpy.int64)[1::2].tolist())
         ordered = ends[3]
         return len(self.ready) + ring.bundle * (len(ordered) - bisect_left(ordered, self.next_t))
 

@@ -22,7 +22,6 @@ ranks met within the loader's ``collective_timeout``. docs/observability.md says
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy
@@ -55,8 +54,8 @@ class Meter:
     def __init__(self) -> None:
         self.wait = 0.0  # seconds inside next()
         self.batches = 0
-        self.restarts = 0  # DataLoader workers started again (statefulset.loading.worker_start)
-        self.stalls = 0  # stall warnings logged (statefulset.loading.watchdog)
+        self.restarts = 0.0  # DataLoader workers started again (statefulset.loading.worker_start)
+        self.stalls = 0.0  # stall warnings logged (statefulset.loading.watchdog)
         self._ring: Any = None  # the current pass's batch ring (its workers' storage rows): see ring
         self._worker_rows: numpy.ndarray | None = None  # its stats as numpy, a view of its shared memory
         self.delivery: Any = None  # a weak reference to the current pass (loading.delivery.Delivery)
@@ -67,12 +66,13 @@ class Meter:
         self._place: int | None = None  # the position the per-source values in _values are for
         # The per-source keys (samples then epochs; weights) and each source's epoch, made once.
         self._keys: tuple[list[str], list[str], numpy.ndarray] | None = None
-        # The last blend-tree walk: (first position, step, positions, their stages, their per-source
-        # values as rows of a float array); a read takes its row, no Python object made per position.
-        self._ahead: tuple[int, int, int, list[int], Any] = (0, 1, 0, [], None)
+        # The last blend-tree walk: each position it covered -> its per-source values (samples, then
+        # epochs), all in the stage of the first (where the weights in _values hold): a read is a lookup.
+        self._ahead: dict[int, list[float]] = {}
         self._step = 0  # how far the position moved between the last two reads that walked the tree
         self._stage: int | None = None  # the stage the weights in _values are for
-        self._storage_key = b""  # the storage rows' bytes the storage values in _values are for
+        self._own_key = b""  # the trainer's storage row's bytes the storage values in _values are for
+        self._rows_key = b""  # and the workers' rows' bytes
         # The trainer's own row counts for the whole process (other loaders, earlier ones): this
         # loader reports what was counted since it was made (in-flight and oldest are instantaneous).
         self._offset = numpy.zeros(storage_stats.WIDTH, dtype=numpy.float64)
@@ -89,14 +89,17 @@ class Meter:
     def ring(self, ring: Any) -> None:
         self._ring = ring
         self._worker_rows = None if ring is None else ring.stats.numpy()
+        self._rows_key = b""  # summed again at the next read
 
     def read(self, dataset: Any, position: int | None) -> dict[str, float]:
         """This rank's metrics, a new dict; ``position``: the global position below which the stream
         counts as drawn (None: no per-source values).
 
-        Read after every batch if need be, so the common case is inline and touches few objects: the
-        per-source values from the positions looked up ahead, the storage ones only when a row's bytes
-        changed (each path is the same computation as a read from scratch, tests/test_metrics.py)."""
+        Read after every batch if need be, so the common case is inline and makes few calls (each
+        costs more than the arithmetic here): the per-source values are one dict lookup among the
+        positions walked ahead (made Python floats once a walk, not a numpy row a read), the storage
+        ones summed again only when a row's bytes changed (each path is the same computation as a
+        read from scratch, tests/test_metrics_incremental.py)."""
         delivery = self.delivery() if self.delivery is not None else None
         values = self._values
         parts = (delivery is not None) + 2 * (position is not None)
@@ -108,26 +111,24 @@ class Meter:
         values["data_wait_seconds"] = self.wait
         values["batches"] = float(batches)
         values["tokens"] = float(batches * self._tokens)
-        values["worker_restarts"] = float(self.restarts)
-        values["stall_warnings"] = float(self.stalls)
+        values["worker_restarts"] = self.restarts  # floats: counted as the dict holds them
+        values["stall_warnings"] = self.stalls
         if delivery is not None:
             values["workers/ready_batches"] = float(delivery.ready_batches())
-        if position is not None:
+        if position is not None and position != self._place:
             values["position"] = float(position)
-            if position != self._place:
-                first, step, count, stages, numbers = self._ahead
-                i, off = divmod(position - first, step)
-                if not off and 0 <= i < count and stages[i] == self._stage:  # walked ahead, the same stage
-                    values.update(zip(self._keys[0], numbers[i].tolist(), strict=True))  # type: ignore[index]
-                    self._place = position
-                else:
-                    self._sources(dataset.stream, position, values)
+            row = self._ahead.get(position)
+            if row is None:
+                self._sources(dataset.stream, position, values)
+            else:  # walked ahead, in the stage whose weights values has
+                for key, value in zip(self._keys[0], row, strict=False):  # the same length (strict costs 60%)
+                    values[key] = value
+                self._place = position
         own = storage_stats.row()
         rows = self._worker_rows
-        key = own.tobytes() if rows is None else own.tobytes() + rows.tobytes()
-        if key != self._storage_key:
-            self._storage(own, key, values)
-        return dict(values)
+        if own.tobytes() != self._own_key or (rows is not None and rows.tobytes() != self._rows_key):
+            self._storage(own, values)
+        return values.copy()
 
     def _fresh(self, workers: bool, moves: bool, parts: int) -> dict[str, float]:
         """The dict of values made again, its keys in the order a read returns them (values filled by the read)."""
@@ -136,15 +137,16 @@ class Meter:
             values["workers/ready_batches"] = 0.0
         if moves:
             values["position"] = 0.0
-        self._parts, self._place, self._storage_key, self._stage = parts, None, b"", None
+        self._parts, self._place, self._own_key, self._rows_key, self._stage = parts, None, b"", b"", None
+        self._ahead = {}  # its rows are for the weights of the stage the old dict held
         return values
 
     def _sources(self, stream: Any, position: int, values: dict[str, float]) -> None:
-        """``source/{prefix}/samples|weight|epoch`` at ``position`` into ``values``: looked up among the
-        positions the last blend-tree walk covered ahead (:meth:`_look_ahead`); the weights only when
-        the stage changed."""
+        """``source/{prefix}/samples|weight|epoch`` at ``position`` into ``values``, from a walk of the
+        blend tree (:meth:`_look_ahead`); the weights only when the stage changed."""
         if self._keys is None:
             if not hasattr(stream, "source_counts"):  # megatron packing: no blend tree to ask
+                self._place = position
                 return
             prefixes = list(stream.source_positions(position))  # once: the keys, in the stream's order
             self._keys = (
@@ -159,12 +161,7 @@ class Meter:
             half = len(weight_keys)
             ordered = zip(counted[:half], weight_keys, counted[half:], strict=True)
             values.update(dict.fromkeys(key for keys in ordered for key in keys))
-        first, step, count, stages, rows = self._ahead
-        i, off = divmod(position - first, step)
-        if not off and 0 <= i < count:
-            stage, numbers = stages[i], rows[i].tolist()
-        else:
-            stage, numbers = self._look_ahead(stream, position)
+        stage, numbers = self._look_ahead(stream, position)
         values.update(zip(counted, numbers, strict=True))
         if stage != self._stage:
             _, raw = weights_at(stream, position)
@@ -176,24 +173,28 @@ class Meter:
     def _look_ahead(self, stream: Any, position: int) -> tuple[int, list[float]]:
         """The stage and the per-source samples and epochs at ``position``; when the reads move by a
         steady step (a rank reads every batch, or every n-th: the same step twice), also at the next
-        positions that step apart, in one vectorised walk of the blend tree, kept for the reads to come."""
+        positions that step apart within the same stage, in one vectorised walk of the blend tree,
+        kept for the reads to come (:attr:`_ahead`)."""
         step = position - self._place if self._place is not None and position > self._place else 0
         # Ahead only once the same step was seen twice: a jump (reads resumed after a pause) walks once.
         steady, self._step = step and step == self._step, step
-        ahead = max(1, min(_AHEAD, _AHEAD_VALUES // len(self._keys[1]))) if steady else 1
+        ahead = max(1, min(_AHEAD, _AHEAD_VALUES // len(self._keys[1]))) if steady else 1  # type: ignore[index]
         positions = position + step * numpy.arange(ahead, dtype=numpy.int64)
         counts, stages = stream.source_counts_many(positions)
-        numbers = numpy.concatenate([counts.astype(numpy.float64), counts / self._keys[2]], axis=1)
-        self._ahead = (position, step or 1, ahead, stages.tolist(), numbers)
-        return self._ahead[3][0], numbers[0].tolist()
+        same = int(numpy.count_nonzero(stages == stages[0]))  # stages only rise with the position
+        counts = counts[:same]
+        rows = numpy.concatenate([counts.astype(numpy.float64), counts / self._keys[2]], axis=1).tolist()  # type: ignore[index]
+        self._ahead = dict(zip(positions[:same].tolist(), rows, strict=True))
+        return int(stages[0]), rows[0]
 
-    def _storage(self, own: numpy.ndarray, key: bytes, values: dict[str, float]) -> None:
+    def _storage(self, own: numpy.ndarray, values: dict[str, float]) -> None:
         """The storage counters of the trainer (``own``) and the current pass's workers, summed into
-        ``values``; ``key``: their bytes, which the read found changed since the last sum."""
+        ``values``; a read found their bytes changed since the last sum."""
+        self._own_key = own.tobytes()
         total = numpy.subtract(own, self._offset, out=self._total)
         if self._worker_rows is not None:
+            self._rows_key = self._worker_rows.tobytes()
             total += numpy.add.reduce(self._worker_rows, axis=0, out=self._workers_total)
-        self._storage_key = key
         values.update(storage_stats.summary(total))
 
     def storage_rows(self) -> list[Any]:
@@ -244,18 +245,3 @@ def log_metrics(values: dict[str, float], writer: Any, step: int, prefix: str = 
         raise StatefulsetError(f"log_metrics: the writer {type(writer).__name__} has no add_scalar(tag, value, step)")
     for name, value in values.items():
         add(prefix + name, value, step)
-
-
-class Timer:
-    """``with Timer(meter):`` around one ``next()``: adds the seconds to ``meter.wait``."""
-
-    __slots__ = ("meter", "start")
-
-    def __init__(self, meter: Meter) -> None:
-        self.meter = meter
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.meter.wait += time.perf_counter() - self.start
