@@ -28,15 +28,15 @@ import torch.distributed as dist
 from statefulset.errors import StatefulsetError, check_int
 from statefulset.integrations.megatron.batch import Format, GPTBatch, GPTBatchConfig, GPTDocumentBatch, format_batch
 from statefulset.integrations.megatron.iterators import SPLIT_TAGS, MegatronIterator, TensorParallelMode
+from statefulset.integrations.megatron.resume import restore_train, unwrap_state
+from statefulset.integrations.megatron.stages import link_tensors, stage_role
 from statefulset.loading.datasets import get_train_dataset, get_val_dataset
 from statefulset.loading.loader import SavableLoader, get_loader, get_savable_loader
-from statefulset.loading.state import check_identity, check_state, cursor_of
 from statefulset.loading.worker_config import WorkerConfig
 from statefulset.parallel.groups import create_parallel_groups, raise_on_every_rank
 from statefulset.parallel.layout import ParallelLayout, RankInfo
 from statefulset.parallel.transfer import LINK_TAG, StageLink, TensorSpec, broadcast_batch
 from statefulset.spec.model import DatasetSpec, load_spec
-from statefulset.streams.label_masks import spec_has_masks
 from statefulset.transforms.hooks import refuse_custom_batch
 
 
@@ -176,44 +176,6 @@ class MegatronData:
                 iterator.flush()
 
 
-def _unwrap_state(state: Any) -> Any:
-    """Accept the loader state or the whole ``train_dataloader_dprank*.pt`` dict Megatron writes."""
-    if isinstance(state, Mapping) and set(state) == {"dataloader_state_dict"}:
-        return state["dataloader_state_dict"]
-    return state
-
-
-def _restore_train(
-    loader: SavableLoader, state: Any, consumed: int | None, info: RankInfo, micro_batch_size: int
-) -> None:
-    """Resume from Megatron's consumed_train_samples, a saved state, or both when they agree."""
-    where = f"rank {info.global_rank} (DP rank {info.dp_rank} of {info.dp_size})"
-    if state is None:
-        loader.restore_consumed_samples(consumed or 0)
-        return
-    check_state(state, f"{where}: loader state")
-    stream = loader.dataset.stream
-    check_identity(state, stream.identity, f"{where}: loader state", stream.source_prefixes, stream.legacy_data)
-    loader.check_task_encoder(state, f"{where}: loader state")  # also when only its position is used below
-    cursor = cursor_of(state)
-    if consumed is not None and cursor.consumed != consumed:
-        raise StatefulsetError(
-            f"{where}: consumed_train_samples is {consumed} but the loader state was saved after "
-            f"{cursor.consumed} samples; pass the state and consumed_train_samples of the same checkpoint"
-        )
-    if cursor.dp_size == info.dp_size and cursor.batch_size == micro_batch_size:
-        if cursor.dp_rank != info.dp_rank:
-            raise StatefulsetError(
-                f"{where}: the loader state was saved by DP rank {cursor.dp_rank}; load "
-                f"train_dataloader_dprank{info.dp_rank:03d}.pt on this rank"
-            )
-        loader.restore_state_rank(state)
-    else:
-        # Another DP size or micro-batch size: Megatron steps every DP rank in lockstep, so the
-        # state's consumed count is the global one, and the new layout starts there.
-        loader.restore_consumed_samples(cursor.consumed)
-
-
 def build_megatron_iterators(
     spec: str | os.PathLike[str] | Mapping[str, Any] | DatasetSpec,
     layout: ParallelLayout,
@@ -258,6 +220,75 @@ def build_megatron_iterators(
     fields are collated and formatted as usual, so an encoder defining ``batch`` is refused.
     """
     refuse_custom_batch(task_encoder, "build_megatron_iterators", "the builder formats Megatron-LM's batches itself")
+    rank, info = _rank_info(layout, rank)
+    micro_batch_size, config = _check_options(
+        micro_batch_size, tensor_parallel, format, consumed_train_samples, batch_config
+    )
+    depth = link_depth if link_depth is not None else max(4, 2 * layout.pp)
+    spec = spec if isinstance(spec, DatasetSpec) else load_spec(spec)
+
+    # Collective part first, identical on every rank.
+    groups = dict(groups or {})
+    missing = [kind for kind in ("dp", "tp", "pp") if kind not in groups]
+    if missing and dist.is_available() and dist.is_initialized():
+        groups.update(create_parallel_groups(layout, missing, backend="gloo"))
+
+    documents = config.inter_document_masking
+    role = stage_role(info, tensor_parallel, documents)
+    link_specs, bounds_specs = link_tensors(spec, micro_batch_size, documents)
+    built: dict[str, MegatronIterator | None] = {"train": None, "valid": None, "test": None}
+    errors: list[str | None] = []
+    wanted = {"train": True, "valid": valid, "test": test}
+    for split, want in wanted.items():
+        if not want or spec.blend_for(split) is None or not (role.reads or role.receives or role.receives_bounds):
+            continue
+        link = None
+        tag = LINK_TAG + SPLIT_TAGS[split]
+        if role.receives_bounds:
+            link = StageLink(info.first_stage_rank, bounds_specs, group=groups.get("pp"), tag=tag, depth=depth)
+            built[split] = MegatronIterator(split, format, config, link=link, receive=True)
+            continue
+        if layout.pp > 1:
+            link = StageLink(role.peer, link_specs, group=groups.get("pp"), tag=tag, depth=depth)
+        fanout = [StageLink(p, bounds_specs, group=groups.get("pp"), tag=tag, depth=depth) for p in role.middle_peers]
+        if role.receives:
+            built[split] = MegatronIterator(split, format, config, link=link, receive=True)
+            continue
+        try:
+            wc = WorkerConfig(
+                rank=info.dp_rank,
+                world_size=info.dp_size,
+                num_workers=num_workers,
+                data_parallel_group=groups.get("dp"),
+            )
+            if split == "train":
+                loader = _train_loader(spec, wc, micro_batch_size, documents, task_encoder, loader_options)
+                restore_train(loader, unwrap_state(state), consumed_train_samples, info, micro_batch_size)
+            else:
+                loader = _eval_loader(spec, split, wc, info, micro_batch_size, documents, task_encoder, loader_options)
+            built[split] = MegatronIterator(
+                split, format, config, loader=loader, link=link, fanout=fanout, cyclic=split != "train"
+            )
+        except StatefulsetError as error:
+            errors.append(f"rank {rank}: {error}" if not str(error).startswith("rank ") else str(error))
+    raise_on_every_rank(errors)
+    return MegatronData(
+        train=built["train"],
+        valid=built["valid"],
+        test=built["test"],
+        info=info,
+        layout=layout,
+        micro_batch_size=micro_batch_size,
+        seq_length=spec.seq_length,
+        tensor_parallel=tensor_parallel,
+        format=format,
+        batch_config=config,
+        groups=groups,
+    )
+
+
+def _rank_info(layout: ParallelLayout, rank: int | None) -> tuple[int, RankInfo]:
+    """This rank (``rank`` or torch.distributed's) and its place in ``layout``, checked against the world."""
     if not isinstance(layout, ParallelLayout):
         raise StatefulsetError(
             f"build_megatron_iterators: layout must be a ParallelLayout, got {type(layout).__name__}"
@@ -271,7 +302,17 @@ def build_megatron_iterators(
             f"build_megatron_iterators: layout world_size {layout.world_size} != torch.distributed world size "
             f"{dist.get_world_size()}"
         )
-    info = layout.rank_info(rank)
+    return rank, layout.rank_info(rank)
+
+
+def _check_options(
+    micro_batch_size: int,
+    tensor_parallel: TensorParallelMode,
+    format: Format,
+    consumed_train_samples: int | None,
+    batch_config: GPTBatchConfig | None,
+) -> tuple[int, GPTBatchConfig]:
+    """The checked micro-batch size and batch config; refuses a bad mode, format or consumed count."""
     micro_batch_size = check_int("micro_batch_size", micro_batch_size, 1, "build_megatron_iterators")
     if tensor_parallel not in ("broadcast", "read"):
         raise StatefulsetError(
@@ -291,98 +332,43 @@ def build_megatron_iterators(
     config = batch_config if batch_config is not None else GPTBatchConfig()
     if not isinstance(config, GPTBatchConfig):
         raise StatefulsetError(f"build_megatron_iterators: batch_config must be a GPTBatchConfig, got {config!r}")
-    depth = link_depth if link_depth is not None else max(4, 2 * layout.pp)
-    spec = spec if isinstance(spec, DatasetSpec) else load_spec(spec)
+    return micro_batch_size, config
 
-    # Collective part first, identical on every rank.
-    groups = dict(groups or {})
-    missing = [kind for kind in ("dp", "tp", "pp") if kind not in groups]
-    if missing and dist.is_available() and dist.is_initialized():
-        groups.update(create_parallel_groups(layout, missing, backend="gloo"))
 
-    first, last = info.pp_rank == 0, info.is_last_stage
-    documents = config.inter_document_masking
-    holder = tensor_parallel == "read" or info.tp_rank == 0  # the TP ranks that call next()
-    reads = first and holder
-    receives = last and not first and holder
-    # Attention needs the document boundaries on every stage: middle stages receive them too.
-    receives_bounds = documents and not first and not last and holder
-    peer = info.pp_group_ranks[-1] if reads and not last else info.first_stage_rank
-    middle_peers = info.pp_group_ranks[1:-1] if reads and documents else []
-    seq_length = spec.seq_length
-    b, s = micro_batch_size, seq_length
-    # The last stage derives its fields from what the first sends: text, and the loader's extra
-    # fields (the loss_mask of bestfit or of loss-mask shards, the document boundaries) when there are any.
-    link_specs = [TensorSpec("text", (b, s + 1), torch.int64), TensorSpec("sample_id", (b,), torch.int64)]
-    if spec.packing == "bestfit" or spec_has_masks(spec):
-        link_specs.append(TensorSpec("loss_mask", (b, s), torch.float32))
-    if documents:
-        link_specs += [TensorSpec("cu_seqlens", (b, s + 1), torch.int32), TensorSpec("max_seqlen", (b,), torch.int32),
-                       TensorSpec("position_ids", (b, s), torch.int64)]  # fmt: skip
-    bounds_specs = [TensorSpec("cu_seqlens", (b, s + 1), torch.int32), TensorSpec("max_seqlen", (b,), torch.int32),
-                    TensorSpec("sample_id", (b,), torch.int64)]  # fmt: skip
-
-    built: dict[str, MegatronIterator | None] = {"train": None, "valid": None, "test": None}
-    errors: list[str | None] = []
-    wanted = {"train": True, "valid": valid, "test": test}
-    for split, want in wanted.items():
-        if not want or spec.blend_for(split) is None or not (reads or receives or receives_bounds):
-            continue
-        link = None
-        tag = LINK_TAG + SPLIT_TAGS[split]
-        if receives_bounds:
-            link = StageLink(info.first_stage_rank, bounds_specs, group=groups.get("pp"), tag=tag, depth=depth)
-            built[split] = MegatronIterator(split, format, config, link=link, receive=True)
-            continue
-        if layout.pp > 1:
-            link = StageLink(peer, link_specs, group=groups.get("pp"), tag=tag, depth=depth)
-        fanout = [StageLink(p, bounds_specs, group=groups.get("pp"), tag=tag, depth=depth) for p in middle_peers]
-        if receives:
-            built[split] = MegatronIterator(split, format, config, link=link, receive=True)
-            continue
-        try:
-            wc = WorkerConfig(
-                rank=info.dp_rank,
-                world_size=info.dp_size,
-                num_workers=num_workers,
-                data_parallel_group=groups.get("dp"),
-            )
-            if split == "train":
-                loader: Any = get_savable_loader(
-                    get_train_dataset(
-                        spec, batch_size=b, worker_config=wc, document_boundaries=documents, task_encoder=task_encoder
-                    ),
-                    **loader_options,
-                )
-                _restore_train(loader, _unwrap_state(state), consumed_train_samples, info, b)
-            else:
-                dataset = get_val_dataset(
-                    spec, split_part=split, batch_size=b, worker_config=wc, document_boundaries=documents,
-                    task_encoder=task_encoder,
-                )  # fmt: skip
-                if len(dataset) == 0:
-                    raise StatefulsetError(
-                        f"{spec.source}: the {split} split has {len(dataset.stream)} samples, fewer than one "
-                        f"global batch ({info.dp_size} DP ranks x micro_batch_size {b}); pass {split}=False or give "
-                        "it more data"
-                    )
-                loader = get_loader(dataset, **loader_options)
-            built[split] = MegatronIterator(
-                split, format, config, loader=loader, link=link, fanout=fanout, cyclic=split != "train"
-            )
-        except StatefulsetError as error:
-            errors.append(f"rank {rank}: {error}" if not str(error).startswith("rank ") else str(error))
-    raise_on_every_rank(errors)
-    return MegatronData(
-        train=built["train"],
-        valid=built["valid"],
-        test=built["test"],
-        info=info,
-        layout=layout,
-        micro_batch_size=b,
-        seq_length=seq_length,
-        tensor_parallel=tensor_parallel,
-        format=format,
-        batch_config=config,
-        groups=groups,
+def _train_loader(
+    spec: DatasetSpec,
+    wc: WorkerConfig,
+    micro_batch_size: int,
+    documents: bool,
+    task_encoder: Any,
+    loader_options: Mapping[str, Any],
+) -> SavableLoader:
+    """This DP rank's savable loader of the train split (not yet resumed)."""
+    dataset = get_train_dataset(
+        spec, batch_size=micro_batch_size, worker_config=wc, document_boundaries=documents, task_encoder=task_encoder
     )
+    return get_savable_loader(dataset, **loader_options)
+
+
+def _eval_loader(
+    spec: DatasetSpec,
+    split: str,
+    wc: WorkerConfig,
+    info: RankInfo,
+    micro_batch_size: int,
+    documents: bool,
+    task_encoder: Any,
+    loader_options: Mapping[str, Any],
+) -> Any:
+    """This DP rank's loader of the valid or test split; refuses a split smaller than one global batch."""
+    b = micro_batch_size
+    dataset = get_val_dataset(
+        spec, split_part=split, batch_size=b, worker_config=wc, document_boundaries=documents, task_encoder=task_encoder
+    )
+    if len(dataset) == 0:
+        raise StatefulsetError(
+            f"{spec.source}: the {split} split has {len(dataset.stream)} samples, fewer than one "
+            f"global batch ({info.dp_size} DP ranks x micro_batch_size {b}); pass {split}=False or give "
+            "it more data"
+        )
+    return get_loader(dataset, **loader_options)
