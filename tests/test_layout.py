@@ -41,7 +41,6 @@ MAX_FUNCTION_LINES = 80
 # Functions still over MAX_FUNCTION_LINES, with the most lines each may have until it is split into named
 # helpers. Shrink an entry when its function shrinks, and drop it once the function is back under the limit.
 LONG_FUNCTIONS_FOR_NOW = {
-    "statefulset.tools.cli.build_parser": 126,  # to split: one helper per group of subcommands
     # statefulset/streams/megatron.py is being edited by another change this session; split it after that lands.
     "statefulset.streams.megatron.open_megatron": 85,
 }

@@ -161,8 +161,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"statefulset {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    # Each command: its name, its line in --help, and what adds its arguments (and the function it runs).
+    commands = (
+        ("preprocess", "tokenise JSON lines into <prefix>_<key>_document.{bin,idx}", _preprocess_arguments),
+        ("merge", "concatenate shards (folders in natural order: part_2 before part_10)", _merge_arguments),
+        (
+            "inspect",
+            "statistics and a full validity check of shards; or a spec's splits, sources and samples",
+            _inspect_arguments,
+        ),
+        (
+            "explain",
+            "where samples came from: source shard, sequences, documents, token offsets, epoch (docs/provenance.md)",
+            _explain_arguments,
+        ),
+        (
+            "prepare",
+            "check and hash every shard and build the indices of a spec once, into its path_to_cache (docs/scale.md)",
+            _prepare_arguments,
+        ),
+        (
+            "report",
+            "PNG plots: achieved vs target share per source, data wait per step by rank (docs/observability.md)",
+            _report_arguments,
+        ),
+        ("demo", "run the main job on a built-in corpus (no downloads)", _demo_arguments),
+    )
+    for name, summary, add_arguments in commands:
+        add_arguments(sub.add_parser(name, help=summary))
+    return parser
 
-    p = sub.add_parser("preprocess", help="tokenise JSON lines into <prefix>_<key>_document.{bin,idx}")
+
+def _preprocess_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``statefulset preprocess``."""
     p.add_argument(
         "--input",
         nargs="+",
@@ -210,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_preprocess)
 
-    p = sub.add_parser("merge", help="concatenate shards (folders in natural order: part_2 before part_10)")
+
+def _merge_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``statefulset merge``."""
     p.add_argument("--input", nargs="+", required=True, help="folders, glob patterns or prefixes")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--multimodal", action="store_true")
@@ -221,9 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_merge)
 
-    p = sub.add_parser(
-        "inspect", help="statistics and a full validity check of shards; or a spec's splits, sources and samples"
-    )
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``statefulset inspect``."""
     p.add_argument("prefix", nargs="+", help="shard prefix (path without .bin/.idx), or a dataset spec .yaml/.yml")
     p.add_argument("--multimodal", action="store_true")
     p.add_argument("--vocab-size", type=int, default=None, help="also check every token id is below this")
@@ -238,10 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_inspect)
 
-    p = sub.add_parser(
-        "explain",
-        help="where samples came from: source shard, sequences, documents, token offsets, epoch (docs/provenance.md)",
-    )
+
+def _explain_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``statefulset explain``."""
     p.add_argument("spec", help="the dataset spec (.yaml)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--position", type=int, nargs="+", metavar="P", help="global position(s): batch['sample_id']")
@@ -256,10 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=_explain)
 
-    p = sub.add_parser(
-        "prepare",
-        help="check and hash every shard and build the indices of a spec once, into its path_to_cache (docs/scale.md)",
-    )
+
+def _prepare_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``statefulset prepare``."""
     p.add_argument("spec", help="the dataset spec (.yaml)")
     p.add_argument(
         "--splits", nargs="+", choices=["train", "valid", "test"], help="default: every split the spec builds"
@@ -268,20 +299,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=_prepare)
 
-    p = sub.add_parser(
-        "report",
-        help="PNG plots: achieved vs target share per source, data wait per step by rank (docs/observability.md)",
-    )
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``statefulset report``."""
     p.add_argument("source", help="metrics lines (.jsonl: step, rank and loader.metrics()) or a saved loader state")
     p.add_argument("--spec", required=True, help="the dataset spec (.yaml) the run trained on")
     p.add_argument("--out", default=".", help="folder for shares.png and data_wait.png (default: here)")
     p.set_defaults(run=_report)
 
-    p = sub.add_parser("demo", help="run the main job on a built-in corpus (no downloads)")
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``statefulset demo``."""
     p.add_argument("--dir", default="statefulset-demo", help="where the demo writes its files")
     p.add_argument("--documents", type=int, default=6000)
     p.set_defaults(run=_demo)
-    return parser
 
 
 def _terminated(signum: int, frame: object) -> None:
