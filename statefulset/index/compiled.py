@@ -115,7 +115,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_window_pieces.restype = i64
     lib.sf_gather_masked.argtypes = [ptr, ptr, ptr]
     lib.sf_gather_masked.restype = i64
-    lib.sf_fim_rows.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
+    lib.sf_fim_rows.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64]
     lib.sf_fim_rows.restype = i64
     lib.sf_gather_batch.argtypes = [ptr, ptr, ptr, ptr]
     lib.sf_gather_batch.restype = i64

@@ -969,10 +969,29 @@ static int sf_fim_walk(sf_fim_row *w) {
     return changed;
 }
 
+/* A changed row's document fields from its tokens' documents (docs, width values), as
+ * streams.documents.document_fields computes them for pieces of the runs' lengths using every token:
+ * the last run loses the extra token (and goes if that empties it); cu int32 [width] (the rest of it
+ * seq_length), top (int32, or NULL) the longest, pos int64 [width - 1] (or NULL) each token's place. */
+static void sf_fim_fields(const int64_t *docs, int64_t width, int32_t *cu, int32_t *top, int64_t *pos) {
+    int64_t k = 1, at = 0, longest = 0, limit = width - 1;
+    cu[0] = 0;
+    for (int64_t start = 0, end; start < limit; start = end) {
+        for (end = start + 1; end < width && docs[end] == docs[start];) end++;
+        int64_t n = (end < limit ? end : limit) - start; /* >= 1: start < limit */
+        if (pos != NULL)
+            for (int64_t t = 0; t < n; t++) pos[at + t] = t;
+        at += n;
+        cu[k++] = (int32_t)at;
+        if (n > longest) longest = n;
+    }
+    for (; k < width; k++) cu[k] = (int32_t)limit;
+    if (top != NULL) *top = (int32_t)longest;
+}
+
 /* The FIM'd row gathered from its pieces: tokens into text, mask values (after the first) into label,
- * and, with documents (out_docs not NULL), their run lengths into runs (their count returned). */
-static int64_t sf_fim_gather(sf_fim_row *w, int64_t *text, float *label, int64_t *out_docs, float *out_mask,
-                             int64_t *runs) {
+ * and, with documents (out_docs not NULL), the tokens' documents into out_docs. */
+static void sf_fim_gather(sf_fim_row *w, int64_t *text, float *label, int64_t *out_docs, float *out_mask) {
     int64_t width = w->width, o = 0, f = -1;
     for (int64_t k = 0; k < w->npieces && o < width; k++) {
         while (f + 1 < w->nfims && w->fims[3 * (f + 1)] <= k) f++;
@@ -992,12 +1011,6 @@ static int64_t sf_fim_gather(sf_fim_row *w, int64_t *text, float *label, int64_t
         o += n;
     }
     if (label != NULL) memcpy(label, out_mask + 1, (size_t)(width - 1) * sizeof(float));
-    int64_t count = 0;
-    for (int64_t start = 0, end; out_docs != NULL && start < width; start = end) {
-        for (end = start + 1; end < width && out_docs[end] == out_docs[start];) end++;
-        runs[count++] = end - start;
-    }
-    return count;
 }
 
 /* Row r's input into w: source tokens (sentinels after them), token mask, documents, tail, splits. */
@@ -1038,20 +1051,21 @@ static int64_t sf_fim_work(int64_t width) {
  * ids, has eod, eod id, has split, split id, no_prefix's length. rates: (p, qn, second) of rate,
  * fragment_rate and spm_rate (fim_draws' inversion constants of min(p, 1 - p)). ids: each row's
  * sample id (the Philox key is (id, rng key)). text int64 [rows, width] and label float32 [rows,
- * width - 1] (NULL: no loss mask) are FIM'd in place; cu int32 [rows, cu_width] (NULL: one document
- * a row) gives the documents; then runs int64 [rows, width] receives each changed row's document
- * run lengths and counts[r] their count (-1: the row was left as it is); without cu both may be
- * NULL. work: work_size int64 values of scratch, at least sf_fim_work(width) (the caller's, reused:
- * no allocation per call). Returns 0; -1 for a bad argument (nothing read or written); -2 when a
- * draw was rejected SF_FIM_TRIES times (never for real rates; rows before it are FIM'd).
+ * width - 1] (NULL: no loss mask) are FIM'd in place; cu int32 [rows, width] (NULL: one document a
+ * row) gives the documents, and a changed row's cu_seqlens, max_seqlen (top int32 [rows], or NULL)
+ * and position_ids (pos int64 [rows, width - 1], or NULL) are written again for its permuted
+ * documents (fim's set_document_fields). work: work_size int64 values of scratch, at least
+ * sf_fim_work(width) (the caller's, reused: no allocation per call). Returns 0; -1 for a bad
+ * argument (nothing read or written); -2 when a draw was rejected SF_FIM_TRIES times (never for real
+ * rates; rows before it are FIM'd).
  */
 int64_t sf_fim_rows(const int64_t *params, const double *rates, const int64_t *ids, const int64_t *no_prefix,
-                    int64_t *text, float *label, const int32_t *cu, int64_t cu_width, int64_t *runs, int64_t *counts,
-                    int64_t *work, int64_t work_size) {
+                    int64_t *text, float *label, int32_t *cu, int32_t *top, int64_t *pos, int64_t *work,
+                    int64_t work_size) {
     int64_t rows = params[0], width = params[1];
     if (rows < 0 || width < 2 || width > (INT64_C(1) << 31) || params[10] < 0 || (params[10] > 0 && no_prefix == NULL) ||
-        (cu != NULL && (cu_width < 0 || runs == NULL || counts == NULL)) || work == NULL ||
-        work_size < sf_fim_work(width) || (rows > 0 && width > INT64_MAX / 8 / rows))
+        (cu == NULL && (top != NULL || pos != NULL)) || work == NULL || work_size < sf_fim_work(width) ||
+        (rows > 0 && width > INT64_MAX / 8 / rows))
         return -1;
     for (int k = 0; k < 3; k++) {
         const double *r = rates + 3 * k;
@@ -1070,17 +1084,17 @@ int64_t sf_fim_rows(const int64_t *params, const double *rates, const int64_t *i
     float *out_mask = label != NULL ? floats + width + room : NULL;
     for (int64_t r = 0; r < rows; r++) {
         float *row_label = label != NULL ? label + r * (width - 1) : NULL;
-        sf_fim_load(&w, text + r * width, row_label, cu != NULL ? cu + r * cu_width : NULL, cu_width);
+        int32_t *row_cu = cu != NULL ? cu + r * width : NULL;
+        sf_fim_load(&w, text + r * width, row_label, row_cu, width);
         memset(&w.g, 0, sizeof w.g);
         w.g.key[0] = (uint64_t)ids[r], w.g.key[1] = (uint64_t)params[2], w.g.pos = 4;
         int changed = sf_fim_walk(&w);
         if (changed < 0) return -2;
-        if (counts != NULL) counts[r] = -1;
         if (!changed) continue;
         if (w.tail < width) sf_fim_keep(&w, w.tail, width);
-        int64_t found = sf_fim_gather(&w, text + r * width, row_label, out_docs, out_mask,
-                                      runs != NULL ? runs + r * width : NULL);
-        if (counts != NULL) counts[r] = found;
+        sf_fim_gather(&w, text + r * width, row_label, out_docs, out_mask);
+        if (row_cu != NULL)
+            sf_fim_fields(out_docs, width, row_cu, top != NULL ? top + r : NULL, pos != NULL ? pos + r * (width - 1) : NULL);
     }
     return 0;
 }

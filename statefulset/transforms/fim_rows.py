@@ -7,8 +7,9 @@ each row's segments, draws from numpy's Philox keyed by ``(sample_id, key)`` exa
 loader's keyed generator does (:class:`~statefulset.transforms.keyed.Rekeyed`), computed as
 :mod:`~statefulset.transforms.fim_draws` computes them, and gathers the row as
 :mod:`~statefulset.transforms.fim_tokens` does. Each row then equals ``encode_sample`` of its
-TokenSample with that generator, field for field (``tests/test_fim_rows.py``); the document fields
-of a changed row are computed again from its documents' run lengths in one batched call.
+TokenSample with that generator, field for field (``tests/test_fim_rows.py``), the document fields
+of a changed row (``cu_seqlens``, ``max_seqlen``, ``position_ids``) computed again by the kernel
+from its permuted documents, by the rule of ``streams.documents.document_fields``.
 
 Where the path does not apply (no compiled kernels: logged once as a WARNING by
 :mod:`statefulset.index.compiled`; tokenizer mode; fields of other shapes, dtypes or names) it
@@ -24,7 +25,6 @@ import numpy
 
 from statefulset.errors import StatefulsetError
 from statefulset.index import compiled
-from statefulset.streams.documents import Pieces, document_fields
 from statefulset.transforms.fim_draws import inversion_constants
 
 _MASK64 = (1 << 64) - 1
@@ -48,23 +48,17 @@ def fim_rows(fim: Any, rows: dict[str, Any], sample_ids: numpy.ndarray, key: int
     params[:3] = (count, width, _signed(key))
     ids = numpy.ascontiguousarray(sample_ids, dtype=numpy.int64)
     label, cu = rows.get("loss_mask"), rows.get("cu_seqlens")
-    runs = counts = None
-    if cu is not None:
-        runs, counts = numpy.empty((count, width), dtype=numpy.int64), numpy.empty(count, dtype=numpy.int64)
-    work, at = compiled.scratch(_work(width))
+    top, pos = rows.get("max_seqlen"), rows.get("position_ids")
+    work, at = compiled.scratch(_work(width))  # this thread's block, reused: no allocation per call
     found = lib.sf_fim_rows(
         params.ctypes.data, rates.ctypes.data, ids.ctypes.data, no_prefix.ctypes.data, _address(text),
-        None if label is None else _address(label), None if cu is None else _address(cu),
-        0 if cu is None else cu.shape[1], None if runs is None else runs.ctypes.data,
-        None if counts is None else counts.ctypes.data, at, work.size,
+        *(None if a is None else _address(a) for a in (label, cu, top, pos)), at, work.size,
     )  # fmt: skip
     if found != 0:
         raise StatefulsetError(
             f"internal: FillInTheMiddle's compiled path failed (code {found}) on the micro-batch from sample "
             f"{int(ids[0])}"
         )
-    if runs is not None and counts is not None:
-        _document_fields(rows, counts, runs, width)
     return True
 
 
@@ -145,18 +139,3 @@ def _rate(p: float) -> tuple[float, float, float]:
     if p == 0.0:
         return 0.0, 1.0, 0.0
     return (p, *inversion_constants(p if p <= 0.5 else 1.0 - p))
-
-
-def _document_fields(rows: dict[str, Any], counts: numpy.ndarray, runs: numpy.ndarray, width: int) -> None:
-    """``cu_seqlens`` and, where the rows hold them, ``max_seqlen`` and ``position_ids`` of the changed
-    rows, from their documents' run lengths (fim's ``_set_document_fields``, one call for all rows)."""
-    changed = numpy.flatnonzero(counts >= 0)
-    if not changed.size:
-        return
-    per_row = counts[changed]
-    lengths = runs[changed][numpy.arange(width) < per_row[:, None]]
-    pieces = Pieces(per_row, lengths, numpy.full(changed.size, width, dtype=numpy.int64))
-    fields = document_fields(pieces, width - 1)
-    for name in _DOCUMENT_FIELDS:
-        if name in rows:
-            rows[name][changed] = fields[name]
