@@ -18,6 +18,11 @@ two (per-core rate), and the rate of the final merge, the figures the 100-node e
 
     python benchmarks/bench_preprocess_ray.py [--docs 100000] [--datatrove-python PY]
     python benchmarks/bench_preprocess_ray.py --quick   # smoke run
+    python benchmarks/bench_preprocess_ray.py --sections bpe --datatrove-python PY --out bench_preprocess_ray_bpe.json
+
+``--sections bpe`` is the comparison that counts (BPE_COMMAND; ``render_bpe``): one ``tokenizer.json``
+for ours and datatrove, alternating rounds, wall seconds and CPU seconds of each command's processes,
+and ours with the piece cache off once, compared byte for byte.
 
 Like with like: only the ``bpe`` rows give both tools the same ``tokenizer.json``. The ``bytes``
 rows do not (ours is ``str.encode`` plus one numpy call, datatrove a full ``tokenizers`` pipeline
@@ -41,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from jsonl_corpus import EOD_TOKEN, ensure_corpus, train_tokenizer  # noqa: E402
-from provenance import stamp, write_results  # noqa: E402
+from provenance import ratio, stamp, summary, write_results  # noqa: E402
 
 EXTRA = ("ray", "tokenizers", "pyarrow", "datatrove")
 
@@ -71,13 +76,46 @@ def byte_tokenizer(path: str) -> None:
     tokenizer.save(path)
 
 
+CPU = {"seconds": 0.0}  # CPU seconds (user + system) of the last timed() command's processes
+
+
+def session_cpu(sid: int, seen: dict[int, float]) -> None:
+    """The CPU seconds so far of every live process of session ``sid`` into ``seen`` (pid -> seconds)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[3]) == sid:
+            seen[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+
+
 def timed(command: list[str], env: dict | None = None) -> tuple[float, str]:
+    """Wall seconds of a fresh process; in CPU["seconds"], the CPU of every process of its session (the
+    command in a session of its own), sampled every 0.2 s: workers of a forkserver (datatrove's), which
+    no parent waits for, included; the last < 0.2 s of each process is missed."""
+    seen: dict[int, float] = {}
     began = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=7200)
-    seconds = time.perf_counter() - began
-    if done.returncode:
-        raise RuntimeError(f"{command[:4]} failed:\n{done.stderr[-3000:]}")
-    return seconds, done.stdout
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env, start_new_session=True)
+        while child.poll() is None:
+            session_cpu(child.pid, seen)
+            if time.perf_counter() - began > 7200:
+                child.kill()
+                raise RuntimeError(f"{command[:4]}: still running after 7200 s, killed")
+            time.sleep(0.2)
+        seconds = time.perf_counter() - began
+        session_cpu(child.pid, seen)  # what is left of it
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    CPU["seconds"] = sum(seen.values())
+    if child.returncode:
+        raise RuntimeError(f"{command[:4]} failed:\n{stderr[-3000:]}")
+    return seconds, stdout
 
 
 def ours(inputs: list[str], prefix: str, tokenizer: str, extra: list[str], env: dict | None = None) -> dict:
@@ -89,7 +127,7 @@ def ours(inputs: list[str], prefix: str, tokenizer: str, extra: list[str], env: 
     first = out.splitlines()[0]  # "N documents, T tokens in S s (...)"
     documents = int(first.split(" documents")[0].replace(",", ""))
     tokens = int(first.split(", ")[1].split(" tokens")[0].replace(",", ""))
-    row = {"seconds": seconds, "documents": documents, "tokens": tokens}
+    row = {"seconds": seconds, "documents": documents, "tokens": tokens, "cpu_seconds": CPU["seconds"]}
     for line in out.splitlines():  # "  largest task memory: 212 MiB (peak RSS of a Ray worker)"
         if "largest task memory:" in line:
             row["peak_task_mib"] = int(line.split(":")[1].split("MiB")[0].replace(",", ""))
@@ -120,7 +158,7 @@ def memory_rows(corpus: str, folder: str) -> dict:
 def datatrove(python: str, folder: str, tokenizer: str, out: str) -> dict:
     script = os.path.join(HERE, "anchor_datatrove_tokenize.py")
     seconds, stdout = timed([python, script, folder, tokenizer, EOD_TOKEN, out, "8", "2"])
-    return {**json.loads(stdout.strip().splitlines()[-1]), "seconds": seconds}
+    return {**json.loads(stdout.strip().splitlines()[-1]), "seconds": seconds, "cpu_seconds": CPU["seconds"]}
 
 
 def megatron_recreation(corpus: str, kind: str, tokenizer: str, prefix: str) -> dict:
@@ -171,6 +209,46 @@ def compare(args: argparse.Namespace, corpus: str, inputs: list[str], tokenizers
         rows[name] = row
         print(name, json.dumps(row), flush=True)
     return rows
+
+
+def like_for_like(args: argparse.Namespace, inputs: list[str], bpe: str, folder: str) -> dict:
+    """The BPE comparison that counts, one ``tokenizer.json`` on both sides: ours ``--workers 2`` (piece
+    cache on), datatrove and, unless ``--no-ray``, ours ``--executor ray``, alternating for ``--rounds``
+    rounds; ours with every text through tokenizers' pipeline (STATEFULSET_PIECE_CACHE=0) once, for the
+    byte-for-byte check and as the rate before the piece cache."""
+    if not args.datatrove_python:
+        raise SystemExit("--sections bpe needs --datatrove-python (datatrove in its own venv)")
+    pipeline_env = {**os.environ, "STATEFULSET_PIECE_CACHE": "0"}
+    variants = {
+        "ours_workers_2": lambda k: ours(inputs, os.path.join(folder, f"l-w2-{k}"), bpe, ["--workers", "2"]),
+        "datatrove": lambda k: datatrove(
+            args.datatrove_python, os.path.join(folder, "in"), bpe, os.path.join(folder, f"l-dt-{k}")
+        ),
+    }
+    if not args.no_ray:
+        variants["ours_ray"] = lambda k: ours(inputs, os.path.join(folder, f"l-ray-{k}"), bpe, ["--executor", "ray"])
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for k in range(args.rounds):
+        for name, run in variants.items():
+            runs[name].append(run(k))
+            print(name, k, json.dumps(runs[name][-1]), flush=True)
+    pipeline = ours(inputs, os.path.join(folder, "l-pipe"), bpe, ["--workers", "2"], pipeline_env)
+    first = os.path.join(folder, "l-w2-0_text_document")
+    row: dict = {"rounds": args.rounds}
+    row["identical_to_pipeline"] = same(first, os.path.join(folder, "l-pipe_text_document"))
+    if not args.no_ray:
+        row["identical_to_ray"] = same(first, os.path.join(folder, "l-ray-0_text_document"))
+    for name, got in [*runs.items(), ("ours_pipeline_workers_2", [pipeline])]:
+        docs = got[0]["documents"]
+        row[name] = {"documents": docs, "tokens": got[0]["tokens"], "seconds": summary([r["seconds"] for r in got]),
+                     "docs_per_s": summary([docs / r["seconds"] for r in got]),
+                     "cpu_ms_per_doc": summary([1e3 * r["cpu_seconds"] / docs for r in got])}  # fmt: skip
+    for name in runs:
+        if name != "datatrove":
+            row[f"{name}_over_datatrove"] = ratio(row[name]["docs_per_s"], row["datatrove"]["docs_per_s"])
+    row["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    print("bpe", json.dumps(row), flush=True)
+    return row
 
 
 def scaling(args: argparse.Namespace, inputs: list[str], bpe: str, corpus_bytes: int, folder: str) -> dict:
@@ -243,6 +321,46 @@ def render(results: dict, large: dict | None) -> str:
     return "\n".join(out)
 
 
+BPE_COMMAND = (
+    "python benchmarks/bench_preprocess_ray.py --sections bpe --tokenizers bpe --rounds 3 "
+    "--datatrove-python /path/to/datatrove-venv/bin/python --out bench_preprocess_ray_bpe.json"
+)
+
+
+def _mmm(stat: dict, form: str) -> str:
+    if stat["min"] == stat["max"]:
+        return format(stat["median"], form)
+    return f"{format(stat['median'], form)} ({format(stat['min'], form)}–{format(stat['max'], form)})"
+
+
+def render_bpe(record: dict) -> str:
+    """The like-for-like table (``--sections bpe``): one ``tokenizer.json`` on both sides."""
+    row = record["bpe"]
+    names = {"ours_workers_2": "statefulset `--workers 2`", "ours_ray": "statefulset `--executor ray` (local Ray)",
+             "datatrove": "datatrove `MegatronDocumentTokenizer`, 8 tasks, 2 workers",
+             "ours_pipeline_workers_2": "statefulset `--workers 2`, every text through `tokenizers`' pipeline "
+                                        "(`STATEFULSET_PIECE_CACHE=0`), one run"}  # fmt: skip
+    out = [f"{record['docs']:,} documents ({record['corpus_bytes'] / 1e6:,.0f} MB), BPE, median (min–max) of "
+           f"{row['rounds']} alternating rounds, every row a fresh process:", "",
+           "| tool | s | docs/s | CPU ms per document | ÷ datatrove (docs/s, per round) |",
+           "|---|---|---|---|---|"]  # fmt: skip
+    base = row["datatrove"]["docs_per_s"]["median"]
+    for key, label in names.items():
+        if key not in row:
+            continue
+        r, q = row[key], row.get(f"{key}_over_datatrove")
+        over = _mmm(q, ".2f") + "x" if q else f"{r['docs_per_s']['median'] / base:.2f}x"
+        cpu = _mmm(r["cpu_ms_per_doc"], ".2f") + (" (Ray's own processes may be missed)" if key == "ours_ray" else "")
+        out.append(f"| {label} | {_mmm(r['seconds'], '.1f')} | {_mmm(r['docs_per_s'], ',.0f')} | {cpu} | {over} |")
+    best = row["ours_workers_2_over_datatrove"]["median"]
+    same = [f"with the pipeline: {row['identical_to_pipeline']}"]
+    same += [f"with `--executor ray`: {row['identical_to_ray']}"] if "identical_to_ray" in row else []
+    out += ["", f"Target ≥ 1.5× datatrove's documents/s with the same `tokenizer.json`: "
+            f"**{'met' if best >= 1.5 else 'missed'}** ({best:.2f}× with `--workers 2`). "
+            f"Outputs byte for byte identical {', '.join(same)}."]  # fmt: skip
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=100_000)
@@ -251,6 +369,8 @@ def main() -> None:
     parser.add_argument("--sections", default="compare,scaling,memory,merge")
     parser.add_argument("--task-counts", default="2,4,8,16,32", help="Ray tasks for the scaling rows (BPE)")
     parser.add_argument("--only-ours", action="store_true", help="compare: ours --workers 2 and Ray only")
+    parser.add_argument("--rounds", type=int, default=3, help="bpe: alternating rounds (median and spread)")
+    parser.add_argument("--no-ray", action="store_true", help="bpe: leave out ours --executor ray")
     parser.add_argument("--out", default="bench_preprocess_ray.json", help="file name under benchmarks/results")
     parser.add_argument("--render", action="store_true", help="print the markdown tables of the saved figures")
     parser.add_argument("--quick", action="store_true", help="2,000 documents, compare and merge only")
@@ -281,6 +401,8 @@ def main() -> None:
                 f.read()
         if "compare" in sections:
             results["rows"] = stamp(compare(args, corpus, inputs, tokenizers, folder), EXTRA)
+        if "bpe" in sections:
+            results["bpe"] = stamp(like_for_like(args, inputs, bpe_path, folder), EXTRA)
         if "scaling" in sections:
             results["scaling_bpe"] = stamp(scaling(args, inputs, bpe_path, corpus_bytes, folder), EXTRA)
         if "memory" in sections:

@@ -339,6 +339,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "machine": machine,
     "object_storage": object_storage,
     "preprocess_ray": preprocess_ray,
+    "preprocess_bpe": report_tables.preprocess_bpe,
     "worker_handoff": worker_handoff,
     "packing": packing,
     "schedules": schedules,

@@ -56,6 +56,16 @@ def _mmm(stat: dict, scale: float = 1.0, digits: int = 2) -> str:
     return f"{stat['median'] * scale:,.{digits}f} ({stat['min'] * scale:,.{digits}f}–{stat['max'] * scale:,.{digits}f})"
 
 
+def preprocess_bpe() -> str:
+    """The like-for-like preprocessing row: one tokenizer.json for ours and datatrove (``--sections bpe``)."""
+    from bench_preprocess_ray import BPE_COMMAND, render_bpe
+
+    record = load("bench_preprocess_ray_bpe")
+    if record is None:
+        return missing("bench_preprocess_ray_bpe", BPE_COMMAND)
+    return render_bpe(record) + "\n"
+
+
 @from_results("bench_write")
 def write(record: dict) -> str:
     """Writing 1M documents: statefulset's writers against megatron-core's builder (bench_write.py)."""

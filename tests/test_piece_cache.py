@@ -70,7 +70,7 @@ def pipeline_ids(tokenizer: HFTokenizer, texts: list[str]) -> list[list[int]]:
 
 def test_piece_cache_gives_the_pipelines_ids(gpt2_style):
     tokenizer = HFTokenizer(str(gpt2_style))
-    assert tokenizer._pieces is not None  # the cache applies to this tokenizer
+    assert tokenizer.piece_cache() is not None  # the cache applies to this tokenizer
     texts = edge_texts() + fuzz(random.Random(2), 3000)
     for start in range(0, len(texts), 500):  # several batches: pieces learnt in one are reused in the next
         batch = texts[start : start + 500]
@@ -78,7 +78,7 @@ def test_piece_cache_gives_the_pipelines_ids(gpt2_style):
         expected = pipeline_ids(tokenizer, batch)
         assert lengths.tolist() == [len(ids) for ids in expected]
         assert tokens.tolist() == [i for ids in expected for i in ids]
-    assert tokenizer._pieces.texts_fast > 0 and tokenizer._pieces.texts_slow > 0  # both paths ran
+    assert tokenizer.piece_cache().texts_fast > 0 and tokenizer.piece_cache().texts_slow > 0  # both paths ran
 
 
 def test_the_split_is_the_pre_tokenizers():
@@ -126,7 +126,7 @@ def test_other_tokenizers_keep_the_pipeline(gpt2_style, tmp_path):
         path = tmp_path / f"{key}.json"
         path.write_text(json.dumps({**config, key: value}))
         if key != "post_processor":  # (a bare template is not loadable; the reason above is enough)
-            assert HFTokenizer(str(path))._pieces is None
+            assert HFTokenizer(str(path)).piece_cache() is None
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -139,9 +139,26 @@ def test_preprocess_writes_the_same_bytes_either_way(gpt2_style, tmp_path, monke
     run = dict(tokenizer=spec, append_eod=True, workers=workers, chunk_bytes=64 << 10, show_progress=False)
     preprocess([str(source)], str(tmp_path / "cached"), **run)
     monkeypatch.setenv("STATEFULSET_PIECE_CACHE", "0")
-    assert HFTokenizer(str(gpt2_style))._pieces is None
+    assert HFTokenizer(str(gpt2_style)).piece_cache() is None
     preprocess([str(source)], str(tmp_path / "pipeline"), **run)
     for ext in ("bin", "idx"):
         a, b = tmp_path / f"cached_text_document.{ext}", tmp_path / f"pipeline_text_document.{ext}"
         assert filecmp.cmp(a, b, shallow=False), ext
     assert numpy.fromfile(tmp_path / "cached_text_document.bin", numpy.uint16).size > 100_000
+
+
+def test_a_full_table_starts_again_with_the_same_ids(gpt2_style, monkeypatch):
+    """Past its bounds (here 50 pieces, 2,000 characters) the table is emptied at the next batch."""
+    monkeypatch.setattr(piece_cache, "MAX_PIECES", 50)
+    monkeypatch.setattr(piece_cache, "MAX_CHARS", 2_000)
+    tokenizer = HFTokenizer(str(gpt2_style))
+    texts = fuzz(random.Random(5), 400)
+    sizes = []
+    for start in range(0, len(texts), 40):
+        batch = texts[start : start + 40]
+        tokens, lengths = tokenizer.encode_batch(batch)
+        expected = pipeline_ids(tokenizer, batch)
+        assert tokens.tolist() == [i for ids in expected for i in ids]
+        assert lengths.tolist() == [len(ids) for ids in expected]
+        sizes.append(len(tokenizer.piece_cache().index))
+    assert max(sizes) > 50 and min(sizes[1:]) < max(sizes)  # it filled up and started again

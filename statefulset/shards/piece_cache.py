@@ -25,7 +25,9 @@ from itertools import chain, compress, repeat
 
 import numpy
 
-MAX_PIECES = 1 << 18  # distinct pieces kept per process (tens of MB); the table starts again when full
+# The table starts again at a batch that finds it past either bound (so it holds at most one batch more).
+MAX_PIECES = 1 << 18  # distinct pieces kept per process: tens of MB for words
+MAX_CHARS = 1 << 25  # and their characters: long pieces (a base64 blob is one) cannot grow it past ~32 MB
 _CONTRACTIONS = "'s|'t|'re|'ve|'m|'ll|'d"  # the pattern's first alternatives, as tokenizers writes them
 
 
@@ -108,12 +110,14 @@ class PieceCache:
 
     def _reset(self) -> None:
         self.index: dict[str, int] = {}  # piece -> its row in the table
+        self.chars = 0  # the pieces' characters
         self.ids = numpy.empty(0, numpy.int64)  # every piece's ids, one after another
         self.starts = numpy.empty(0, numpy.int64)
         self.lengths = numpy.empty(0, numpy.int64)
 
     def _learn(self, pieces: list[str]) -> None:
         ids, lengths = _flat(self.encode(pieces))
+        self.chars += sum(map(len, pieces))
         starts = self.ids.size + numpy.cumsum(lengths) - lengths
         self.index.update(zip(pieces, range(len(self.index), len(self.index) + len(pieces)), strict=True))
         self.ids = numpy.concatenate([self.ids, ids])
@@ -127,7 +131,7 @@ class PieceCache:
 
     def encode_batch(self, texts: list[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
         """All texts' ids concatenated (int64) and the number of ids of each text."""
-        if len(self.index) > MAX_PIECES:
+        if len(self.index) > MAX_PIECES or self.chars > MAX_CHARS:
             self._reset()
         plain = list(map(self._is_plain, texts))
         pieces = [self.split.findall(t) if ok else [""] for t, ok in zip(texts, plain, strict=True)]  # "": no piece

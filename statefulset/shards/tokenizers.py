@@ -99,10 +99,16 @@ class HFTokenizer:
                 "%s: this tokenizers package has no encode_batch_fast (0.21+): encoding with offsets, slower", file
             )
             self._batch = self._backend.encode_batch
-        self._pieces = self._piece_cache()
+        self._pieces: PieceCache | None = None
+        self._pieces_made = False  # made at the first encode_batch: a process that only probes never pays for it
 
-    def _piece_cache(self) -> PieceCache | None:
+    def piece_cache(self) -> PieceCache | None:
         """The piece cache where it gives this tokenizer's ids (:mod:`statefulset.shards.piece_cache`)."""
+        if not self._pieces_made:
+            self._pieces, self._pieces_made = self._make_piece_cache(), True
+        return self._pieces
+
+    def _make_piece_cache(self) -> PieceCache | None:
         if not settings.PIECE_CACHE.get():
             return None
         config = json.loads(self._backend.to_str())
@@ -143,8 +149,9 @@ class HFTokenizer:
         return None
 
     def encode_batch(self, texts: list[str]) -> tuple[numpy.ndarray, numpy.ndarray]:
-        if self._pieces is not None:
-            return self._pieces.encode_batch(texts)
+        pieces = self.piece_cache()
+        if pieces is not None:
+            return pieces.encode_batch(texts)
         ids = self._encode_ids(texts)
         lengths = numpy.fromiter(map(len, ids), numpy.int64, count=len(ids))
         tokens = numpy.fromiter(chain.from_iterable(ids), numpy.int64, count=int(lengths.sum()))
