@@ -151,13 +151,16 @@ def shard(tmp_path_factory):
     return prefix
 
 
-@pytest.mark.parametrize("packing", ["native", "megatron", "bestfit"])
-@pytest.mark.parametrize("boundaries", [False, True])
-def test_through_the_loader_workers_equal_ds(shard, packing, boundaries):
-    """Two workers (the compiled path) give what ``ds[p]`` gives (encode_sample per sample), every field."""
+@pytest.mark.parametrize(
+    "packing,boundaries,workers",
+    [*((p, b, 2) for p in ("native", "megatron", "bestfit") for b in (False, True)), ("bestfit", True, 0)],
+)
+def test_through_the_loader_workers_equal_ds(shard, packing, boundaries, workers):
+    """Two workers (the compiled path into the ring), or none (the trainer's own micro_batch), give what
+    ``ds[p]`` gives (encode_sample per sample), every field."""
     spec = {"data_path": [shard], "seq_length": 31, "packing": packing, "split": "1", "seed": 5}
     fim = FillInTheMiddle(0.7, 0.5, 90001, 90002, 90003, 90004, split_sample=15, fragment_rate=0.5, eod_id=EOD)
-    wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
     ds = get_train_dataset(spec, batch_size=4, worker_config=wc, task_encoder=fim, document_boundaries=boundaries)
     fimmed, seen = 0, []
     for _, batch in zip(range(6), get_savable_loader(ds), strict=False):
