@@ -63,11 +63,17 @@ def specs(root, prefixes):
     yield "megatron tiny", {"data_path": prefixes[3], "seq_length": SEQ, "split": "1", "seed": 8,
                             "num_samples": 500, "path_to_cache": cache}  # fmt: skip
     yield "native tiny", {"data_path": prefixes[3], "seq_length": SEQ, "split": "1", "seed": 8, "packing": "native"}
+    stages = [{"start": 0, "data_path": {prefixes[0]: 0.7, prefixes[2]: 0.3}},
+              {"start": 500, "data_path": {prefixes[0]: 0.2, prefixes[1]: 0.5, prefixes[2]: 0.3}},
+              {"start": 2000, "data_path": {prefixes[1]: 1.0}}]  # fmt: skip
+    yield "native stages", {"stages": stages, "seq_length": SEQ, "split": "1", "seed": 9, "packing": "native"}
     yield "native masked", {"data_path": prefixes[1], "seq_length": SEQ, "split": "1", "seed": 7, "packing": "native"}
 
 
 def positions(stream, rng, rows):
     high = len(stream) if not stream.unbounded else 50 * len(stream)  # native: 50 epochs of windows
+    if rng.random() < 0.3:  # a batch across a schedule's stage boundaries or near the start
+        return rng.integers(0, min(2500, high), size=rows)
     return rng.integers(0, high, size=rows)
 
 
@@ -164,7 +170,8 @@ def test_refusals_write_nothing(shards):
     for name, inputs, bad in [
         ("megatron blend", 1, [[5, None]]),  # None: the stream's length
         ("megatron one", 1, [[-1, 3]]),
-        ("native blend", 2, [[0, 0, 1, -1], [0, 3, 1, 2]]),  # a negative local sample; source 3 of 3
+        ("native blend", 2, [[0, 0, 1, -1]]),  # a negative position (the kernel locates it in the blend)
+        ("native one", 2, [[0, 3, 1, 2]]),  # source 3 of 1
     ]:
         stream = open_stream(named[name])
         stream.gather(numpy.arange(2))
@@ -179,3 +186,20 @@ def test_refusals_write_nothing(shards):
                 block[4 : 4 + 2 * inputs] = values if kind == 5 and table is kernel.table else good
                 assert lib.sf_gather_batch(table.ctypes.data, block.ctypes.data, out.ctypes.data, None) == -1, name
                 assert (out == 77).all(), name
+
+
+def test_the_kernel_walks_a_plain_blend_tree_as_python_does(shards):
+    """A plain native blend is one stage from 0: the kernel locates positions in its blend tree itself
+    (far positions too, where the shares' products pass 2^32); a schedule of several stages is
+    located in Python and the kernel gets each row's source."""
+    root, prefixes = shards
+    named = dict(specs(root, prefixes))
+    rng = numpy.random.default_rng(4)
+    blend, staged = open_stream(named["native blend"]), open_stream(named["native stages"])
+    for stream, walks in ((blend, True), (staged, False)):
+        stream.gather(numpy.arange(3))
+        assert (stream._kernel.tree is not None) == walks
+    for high in (10**4, 2**33, 2**45, 2**60):
+        p = rng.integers(0, high, size=16)
+        assert_same(batches(blend, p), python_batches(blend, p), str(p))
+        assert_same(batches(staged, p), python_batches(staged, p), str(p))

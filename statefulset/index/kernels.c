@@ -1143,7 +1143,10 @@ static void sf_fill_row(const void *src, int32_t src_kind, const uint8_t *mask, 
 }
 
 /* The fields of one source in a stream's table (SF_SOURCE values each, after SF_TABLE values). */
-#define SF_TABLE 6 /* sources, blend dataset_index (int16) address or 0, blend dataset_sample_index (int64), positions, width, packing */
+/* The table's header: sources, then (megatron) the blend's dataset_index (int16) and
+ * dataset_sample_index (int64) addresses or 0, or (native) a blend tree's address (0: the rows'
+ * sources are given) and its nodes; positions (megatron), width, packing (0 megatron, 1 native). */
+#define SF_TABLE 6
 #define SF_SOURCE 18
 enum {
     SF_SRC_TOKENS, SF_SRC_KIND, SF_SRC_NUM_TOKENS, SF_SRC_MASK, SF_SRC_POINTERS, SF_SRC_SEQUENCES, SF_SRC_ITEMSIZE,
@@ -1297,12 +1300,40 @@ static int64_t sf_plan_megatron(const int64_t *table, int64_t *batch) {
     return pieces <= capacity ? pieces : -(2 + pieces);
 }
 
+/* floor(p * share / 2^32) as blend_tree._floor_scaled computes it (64-bit wrapping arithmetic). */
+static inline int64_t sf_floor_scaled(uint64_t p, uint64_t share) {
+    return (int64_t)((p >> 32) * share + (((p & 0xFFFFFFFFULL) * share) >> 32));
+}
+
+/* The source of stream position *q in a blend tree (BlendSchedule.flat_nodes: `nodes` rows of share,
+ * left, right; a leaf's share is -1 - source), *q becoming its local position there (the rule of
+ * BlendSchedule.locate); -1 for a negative position or a malformed tree. */
+static int64_t sf_tree_locate(const int64_t *tree, int64_t nodes, int64_t *q) {
+    int64_t node = 0;
+    if (*q < 0) return -1;
+    for (int64_t steps = 0; steps < nodes; steps++) { /* a path never visits a node twice */
+        if (node < 0 || node >= nodes) return -1;
+        const int64_t *n = tree + 3 * node;
+        if (n[0] < 0) return -1 - n[0];
+        if (n[0] >= (1LL << 32)) return -1;
+        int64_t before = sf_floor_scaled((uint64_t)*q, (uint64_t)n[0]);
+        if (sf_floor_scaled((uint64_t)*q + 1, (uint64_t)n[0]) > before) {
+            *q = before;
+            node = n[1];
+        } else {
+            *q -= before;
+            node = n[2];
+        }
+    }
+    return -1;
+}
+
 /* Plan of packing native's rows (_WindowFiller.fill and _pieces): each row is the window its
  * source's keyed permutation gives the local sample (sf_window_permute), cut into pieces where a
  * sequence starts inside it (sf_window_pieces). Returns as sf_plan_megatron. */
 static int64_t sf_plan_native(const int64_t *table, int64_t *batch) {
     int64_t sources = table[0], width = table[4], rows = batch[0], capacity = batch[2], want = batch[3], pieces = 0;
-    const int64_t *which = batch + SF_BATCH, *locals = which + rows;
+    const int64_t *which = batch + SF_BATCH, *locals = which + rows, *tree = (const int64_t *)(uintptr_t)table[1];
     int64_t *source_of = batch + SF_BATCH + 2 * rows, *starts = source_of + rows, *counts = starts + capacity;
     int64_t *used = counts + rows, *lengths = used + rows;
     int64_t window_start[SF_CHUNK], lo[SF_CHUNK], hi[SF_CHUNK];
@@ -1310,6 +1341,7 @@ static int64_t sf_plan_native(const int64_t *table, int64_t *batch) {
         int64_t count = rows - r0 < SF_CHUNK ? rows - r0 : SF_CHUNK, searching = 0;
         for (int64_t c = 0; c < count; c++) { /* each row's window, its tokens' loads started */
             int64_t d = which[r0 + c], local = locals[r0 + c], window;
+            if (tree != NULL) d = sf_tree_locate(tree, table[2], &local); /* locals holds the positions */
             if (d < 0 || d >= sources || local < 0) return -1;
             const int64_t *s = table + SF_TABLE + d * SF_SOURCE;
             if (sf_window_permute(&local, 1, s[SF_NAT_WINDOWS], (int32_t)s[SF_NAT_HALF], (uint64_t)s[SF_NAT_KEY],

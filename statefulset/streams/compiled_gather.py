@@ -51,6 +51,7 @@ class BatchKernel:
         self.packing = packing
         self.inputs = 1 if packing == MEGATRON else 2  # values per row before the outputs
         self.has_masks = all(d.loss_mask is None or d.loss_mask.mapped_address for d in datasets)
+        self.tree: numpy.ndarray | None = None
 
     def fill(
         self, rows_in: list[numpy.ndarray], out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
@@ -147,8 +148,10 @@ def megatron_kernel(sources: list[Any], blend: dict[str, numpy.ndarray] | None, 
     return BatchKernel(table, [s.dataset for s in sources], MEGATRON)
 
 
-def native_kernel(sources: list[Any], width: int) -> Any:
-    """The BatchKernel of a packing native stream (WindowSources), or None."""
+def native_kernel(sources: list[Any], width: int, tree: list[tuple[int, int, int]] | None = None) -> Any:
+    """The BatchKernel of a packing native stream (WindowSources), or None. With ``tree`` (a blend
+    tree's nodes, leaves naming sources: ``BlendSchedule.flat_nodes``), the kernel locates each
+    position itself: fill then takes ``[0, positions]``."""
     fields = []
     for source in sources:
         common = _source_fields(source.dataset)
@@ -161,5 +164,11 @@ def native_kernel(sources: list[Any], width: int) -> Any:
         row = common + [source.windows, half_bits(source.windows), key, ROUNDS, source.first_token, lo]
         fields.append(row + [0] * (SOURCE - len(row)))
     header = [len(sources), 0, 0, 0, width, NATIVE]
+    nodes = None
+    if tree is not None:
+        nodes = numpy.array(tree, dtype=numpy.int64).reshape(-1, 3)
+        header[1], header[2] = nodes.ctypes.data, len(tree)
     table = numpy.array(header + [v for row in fields for v in row], dtype=numpy.int64)
-    return BatchKernel(table, [s.dataset for s in sources], NATIVE)
+    kernel = BatchKernel(table, [s.dataset for s in sources], NATIVE)
+    kernel.tree = nodes  # kept alive: the kernel reads it at its address
+    return kernel

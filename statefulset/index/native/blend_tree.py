@@ -90,6 +90,17 @@ class BlendSchedule:
         self._tree = _build_tree(live, 0)
         self._inner, self._leaves = _flatten(self._tree, self._live)
 
+    def flat_nodes(self) -> list[tuple[int, int, int]]:
+        """The tree for a compiled walk (``kernels.c``, ``sf_tree_locate``): for each node in pre-order
+        from the root, ``(share, left, right)`` if inner, ``(-1 - source, 0, 0)`` for a leaf of ``source``
+        (numbered as :meth:`locate` returns it)."""
+        nodes = [(0, 0, 0)] * (len(self._inner) + len(self._leaves))
+        for node, share, left, right in self._inner:
+            nodes[node] = (share, left, right)
+        for node, source in self._leaves:
+            nodes[node] = (-1 - source, 0, 0)
+        return nodes
+
     def counts(self, n: int) -> list[int]:
         """How many of the positions ``[0, n)`` each source serves (zero-weight sources included), in O(K).
 
