@@ -247,6 +247,9 @@ def like_for_like(args: argparse.Namespace, inputs: list[str], bpe: str, folder:
         if name != "datatrove":
             row[f"{name}_over_datatrove"] = ratio(row[name]["docs_per_s"], row["datatrove"]["docs_per_s"])
     row["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    versions = "from importlib.metadata import version as v; print(v('datatrove'), v('tokenizers'))"
+    got = subprocess.run([args.datatrove_python, "-c", versions], capture_output=True, text=True, timeout=120)
+    row["datatrove_venv"] = dict(zip(("datatrove", "tokenizers"), got.stdout.split(), strict=False))
     print("bpe", json.dumps(row), flush=True)
     return row
 
@@ -340,8 +343,10 @@ def render_bpe(record: dict) -> str:
              "datatrove": "datatrove `MegatronDocumentTokenizer`, 8 tasks, 2 workers",
              "ours_pipeline_workers_2": "statefulset `--workers 2`, every text through `tokenizers`' pipeline "
                                         "(`STATEFULSET_PIECE_CACHE=0`), one run"}  # fmt: skip
+    venv = row.get("datatrove_venv", {})
+    dt = f"datatrove {venv.get('datatrove', '?')} with tokenizers {venv.get('tokenizers', '?')} in its own venv"
     out = [f"{record['docs']:,} documents ({record['corpus_bytes'] / 1e6:,.0f} MB), BPE, median (min–max) of "
-           f"{row['rounds']} alternating rounds, every row a fresh process:", "",
+           f"{row['rounds']} alternating rounds, every row a fresh process; {dt}:", "",
            "| tool | s | docs/s | CPU ms per document | ÷ datatrove (docs/s, per round) |",
            "|---|---|---|---|---|"]  # fmt: skip
     base = row["datatrove"]["docs_per_s"]["median"]
