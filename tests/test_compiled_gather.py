@@ -176,6 +176,9 @@ def test_refusals_write_nothing(shards):
         stream = open_stream(named[name])
         stream.gather(numpy.arange(2))
         kernel = stream._kernel
+        if name == "native one":  # the rows' sources given, not located by the kernel
+            kernel.table = kernel.table.copy()
+            kernel.table[1] = 0
         for values in bad:
             values = [len(stream) if v is None else v for v in values]
             for table, kind in [(kernel.table, 5), (kernel.table, 9), (numpy.concatenate([[0], kernel.table[1:]]), 5)]:
@@ -188,18 +191,29 @@ def test_refusals_write_nothing(shards):
                 assert (out == 77).all(), name
 
 
-def test_the_kernel_walks_a_plain_blend_tree_as_python_does(shards):
-    """A plain native blend is one stage from 0: the kernel locates positions in its blend tree itself
-    (far positions too, where the shares' products pass 2^32); a schedule of several stages is
-    located in Python and the kernel gets each row's source."""
+def test_the_kernel_locates_positions_as_python_does(shards):
+    """The kernel locates positions in a plain blend's tree and in a schedule of several stages as
+    Python does: far positions too (where the shares' products pass 2^32), through stage boundaries."""
     root, prefixes = shards
     named = dict(specs(root, prefixes))
     rng = numpy.random.default_rng(4)
     blend, staged = open_stream(named["native blend"]), open_stream(named["native stages"])
-    for stream, walks in ((blend, True), (staged, False)):
+    for stream in (blend, staged):
         stream.gather(numpy.arange(3))
-        assert (stream._kernel.tree is not None) == walks
+        assert stream._kernel.schedule is not None
     for high in (10**4, 2**33, 2**45, 2**60):
         p = rng.integers(0, high, size=16)
         assert_same(batches(blend, p), python_batches(blend, p), str(p))
         assert_same(batches(staged, p), python_batches(staged, p), str(p))
+
+
+def test_one_pass_splits_equal_the_python_version(shards):
+    """valid/test of a native blend (one pass, located in Python, each row's source passed in)."""
+    root, prefixes = shards
+    rng = numpy.random.default_rng(5)
+    for split in ("valid", "test"):
+        stream = open_stream({**dict(specs(root, prefixes))["native blend"], "split": "50,25,25"}, split)
+        for _ in range(10):
+            p = rng.integers(0, len(stream), size=8)
+            assert stream._fill_compiled(p, numpy.empty((8, SEQ + 1), numpy.int64), False, None) is not REFUSED
+            assert_same(batches(stream, p), python_batches(stream, p), f"{split} {p}")

@@ -1144,8 +1144,9 @@ static void sf_fill_row(const void *src, int32_t src_kind, const uint8_t *mask, 
 
 /* The fields of one source in a stream's table (SF_SOURCE values each, after SF_TABLE values). */
 /* The table's header: sources, then (megatron) the blend's dataset_index (int16) and
- * dataset_sample_index (int64) addresses or 0, or (native) a blend tree's address (0: the rows'
- * sources are given) and its nodes; positions (megatron), width, packing (0 megatron, 1 native). */
+ * dataset_sample_index (int64) addresses or 0, or (native) the addresses of a data schedule's
+ * stages and blend trees (sf_schedule_locate; 0: the rows' sources are given); positions
+ * (megatron), width, packing (0 megatron, 1 native). */
 #define SF_TABLE 6
 #define SF_SOURCE 18
 enum {
@@ -1305,12 +1306,11 @@ static inline int64_t sf_floor_scaled(uint64_t p, uint64_t share) {
     return (int64_t)((p >> 32) * share + (((p & 0xFFFFFFFFULL) * share) >> 32));
 }
 
-/* The source of stream position *q in a blend tree (BlendSchedule.flat_nodes: `nodes` rows of share,
- * left, right; a leaf's share is -1 - source), *q becoming its local position there (the rule of
- * BlendSchedule.locate); -1 for a negative position or a malformed tree. */
-static int64_t sf_tree_locate(const int64_t *tree, int64_t nodes, int64_t *q) {
-    int64_t node = 0;
-    if (*q < 0) return -1;
+/* The source of position *q of a blend tree (BlendSchedule.flat_nodes: rows of share, left, right;
+ * a leaf's share is -1 - source) walked from node `root`, *q becoming its local position there (the
+ * rule of BlendSchedule.locate); -1 for a malformed tree. */
+static int64_t sf_tree_locate(const int64_t *tree, int64_t nodes, int64_t root, int64_t *q) {
+    int64_t node = root;
     for (int64_t steps = 0; steps < nodes; steps++) { /* a path never visits a node twice */
         if (node < 0 || node >= nodes) return -1;
         const int64_t *n = tree + 3 * node;
@@ -1328,12 +1328,32 @@ static int64_t sf_tree_locate(const int64_t *tree, int64_t nodes, int64_t *q) {
     return -1;
 }
 
+/* The source of stream position *q in a data schedule (streams.stages.StagedStream._locate), *q
+ * becoming its local sample: the last stage starting at or before it, its tree, then the source's
+ * draws in earlier stages. schedule: the nodes, the stages, then per stage its start, its tree's
+ * root and every source's offset (sources values). -1 for a negative position or bad tables. */
+static int64_t sf_schedule_locate(const int64_t *schedule, const int64_t *tree, int64_t sources, int64_t *q) {
+    int64_t nodes = schedule[0], stages = schedule[1], stage = -1;
+    if (*q < 0) return -1;
+    for (int64_t k = 0; k < stages; k++) {
+        if (schedule[2 + k * (2 + sources)] <= *q) stage = k; /* starts increase */
+    }
+    if (stage < 0) return -1;
+    const int64_t *row = schedule + 2 + stage * (2 + sources);
+    *q -= row[0];
+    int64_t d = sf_tree_locate(tree, nodes, row[1], q);
+    if (d < 0 || d >= sources || row[2 + d] < 0 || *q > INT64_MAX - row[2 + d]) return -1;
+    *q += row[2 + d];
+    return d;
+}
+
 /* Plan of packing native's rows (_WindowFiller.fill and _pieces): each row is the window its
  * source's keyed permutation gives the local sample (sf_window_permute), cut into pieces where a
  * sequence starts inside it (sf_window_pieces). Returns as sf_plan_megatron. */
 static int64_t sf_plan_native(const int64_t *table, int64_t *batch) {
     int64_t sources = table[0], width = table[4], rows = batch[0], capacity = batch[2], want = batch[3], pieces = 0;
-    const int64_t *which = batch + SF_BATCH, *locals = which + rows, *tree = (const int64_t *)(uintptr_t)table[1];
+    const int64_t *which = batch + SF_BATCH, *locals = which + rows;
+    const int64_t *schedule = (const int64_t *)(uintptr_t)table[1], *tree = (const int64_t *)(uintptr_t)table[2];
     int64_t *source_of = batch + SF_BATCH + 2 * rows, *starts = source_of + rows, *counts = starts + capacity;
     int64_t *used = counts + rows, *lengths = used + rows;
     int64_t window_start[SF_CHUNK], lo[SF_CHUNK], hi[SF_CHUNK];
@@ -1341,7 +1361,7 @@ static int64_t sf_plan_native(const int64_t *table, int64_t *batch) {
         int64_t count = rows - r0 < SF_CHUNK ? rows - r0 : SF_CHUNK, searching = 0;
         for (int64_t c = 0; c < count; c++) { /* each row's window, its tokens' loads started */
             int64_t d = which[r0 + c], local = locals[r0 + c], window;
-            if (tree != NULL) d = sf_tree_locate(tree, table[2], &local); /* locals holds the positions */
+            if (schedule != NULL) d = sf_schedule_locate(schedule, tree, sources, &local); /* from positions */
             if (d < 0 || d >= sources || local < 0) return -1;
             const int64_t *s = table + SF_TABLE + d * SF_SOURCE;
             if (sf_window_permute(&local, 1, s[SF_NAT_WINDOWS], (int32_t)s[SF_NAT_HALF], (uint64_t)s[SF_NAT_KEY],

@@ -51,7 +51,7 @@ class BatchKernel:
         self.packing = packing
         self.inputs = 1 if packing == MEGATRON else 2  # values per row before the outputs
         self.has_masks = all(d.loss_mask is None or d.loss_mask.mapped_address for d in datasets)
-        self.tree: numpy.ndarray | None = None
+        self.schedule: tuple[numpy.ndarray, numpy.ndarray] | None = None  # native: a data schedule's tables
 
     def fill(
         self, rows_in: list[numpy.ndarray], out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
@@ -148,10 +148,12 @@ def megatron_kernel(sources: list[Any], blend: dict[str, numpy.ndarray] | None, 
     return BatchKernel(table, [s.dataset for s in sources], MEGATRON)
 
 
-def native_kernel(sources: list[Any], width: int, tree: list[tuple[int, int, int]] | None = None) -> Any:
-    """The BatchKernel of a packing native stream (WindowSources), or None. With ``tree`` (a blend
-    tree's nodes, leaves naming sources: ``BlendSchedule.flat_nodes``), the kernel locates each
-    position itself: fill then takes ``[0, positions]``."""
+def native_kernel(sources: list[Any], width: int, schedule: Any = None) -> Any:
+    """The BatchKernel of a packing native stream (WindowSources), or None. With ``schedule`` (a data
+    schedule's ``(nodes, stages)``: every stage's blend tree as ``BlendSchedule.flat_nodes`` gives
+    them, leaves naming sources and children numbered in the whole list, and per stage its start, its
+    root and every source's offset), the kernel locates each position itself: fill then takes
+    ``[0, positions]``."""
     fields = []
     for source in sources:
         common = _source_fields(source.dataset)
@@ -164,11 +166,15 @@ def native_kernel(sources: list[Any], width: int, tree: list[tuple[int, int, int
         row = common + [source.windows, half_bits(source.windows), key, ROUNDS, source.first_token, lo]
         fields.append(row + [0] * (SOURCE - len(row)))
     header = [len(sources), 0, 0, 0, width, NATIVE]
-    nodes = None
-    if tree is not None:
-        nodes = numpy.array(tree, dtype=numpy.int64).reshape(-1, 3)
-        header[1], header[2] = nodes.ctypes.data, len(tree)
+    arrays = None
+    if schedule is not None:
+        nodes, stages = schedule
+        arrays = (
+            numpy.array([len(nodes), len(stages)] + [v for row in stages for v in row], dtype=numpy.int64),
+            numpy.array(nodes, dtype=numpy.int64).reshape(-1, 3),
+        )
+        header[1], header[2] = arrays[0].ctypes.data, arrays[1].ctypes.data
     table = numpy.array(header + [v for row in fields for v in row], dtype=numpy.int64)
     kernel = BatchKernel(table, [s.dataset for s in sources], NATIVE)
-    kernel.tree = nodes  # kept alive: the kernel reads it at its address
+    kernel.schedule = arrays  # kept alive: the kernel reads them at their addresses
     return kernel

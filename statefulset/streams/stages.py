@@ -93,28 +93,32 @@ class StagedStream(SampleStream):
     ) -> Any:
         kernel = self._kernel
         if kernel is None:  # packing native; bestfit stays on its Python version
-            made = None if self.padded else native_kernel(self.sources, self.seq_length + 1, self._tree())
+            made = None if self.padded else native_kernel(self.sources, self.seq_length + 1, self._schedule_tables())
             kernel = self._kernel = made or False
         if kernel is False:
             return REFUSED
         if self._only_source is not None:  # the kernel refuses a negative position
             return kernel.fill([self._only_source, positions], out, want, masks)
-        if kernel.tree is not None:  # one stage from 0: the kernel walks its blend tree (and refuses p < 0)
+        if kernel.schedule is not None:  # the kernel locates the positions (and refuses p < 0)
             return kernel.fill([0, positions], out, want, masks)
         if int(positions.min()) < 0:
             return REFUSED  # the Python version names it
         which, local = self.locate(positions)
         return kernel.fill([which, local], out, want, masks)
 
-    def _tree(self) -> list[tuple[int, int, int]] | None:
-        """One stage blending several sources from position 0 (a plain blend): its tree's nodes, leaves
-        naming the stream's sources, for the kernel to locate positions itself; else None."""
-        schedule = self.schedules[0]
-        if len(self.schedules) != 1 or schedule is None or self._start_list[0] != 0 or any(self._offset_rows[0]):
-            return None
-        members = self.stage_sources[0]
-        return [(share, left, right) if share >= 0 else (-1 - members[-1 - share], 0, 0)
-                for share, left, right in schedule.flat_nodes()]  # fmt: skip
+    def _schedule_tables(self) -> tuple[list[tuple[int, int, int]], list[list[int]]]:
+        """The schedule for the batch kernel to locate positions (compiled_gather.native_kernel): every
+        stage's blend tree (a lone source is a tree of one leaf), leaves naming the stream's sources and
+        children numbered in the whole list; per stage its start, its root and the sources' offsets."""
+        nodes: list[tuple[int, int, int]] = []
+        stages = []
+        for k, schedule in enumerate(self.schedules):
+            members, root = self.stage_sources[k], len(nodes)
+            flat = [(-1, 0, 0)] if schedule is None else schedule.flat_nodes()
+            nodes += [(share, left + root, right + root) if share >= 0 else (-1 - members[-1 - share], 0, 0)
+                      for share, left, right in flat]  # fmt: skip
+            stages.append([self._start_list[k], root, *self._offset_rows[k]])
+        return nodes, stages
 
     @property
     def weights(self) -> list[float]:
