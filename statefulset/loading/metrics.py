@@ -22,6 +22,7 @@ ranks met within the loader's ``collective_timeout``. docs/observability.md says
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy
@@ -66,9 +67,12 @@ class Meter:
         self._place: int | None = None  # the position the per-source values in _values are for
         # The per-source keys (samples then epochs; weights) and each source's epoch, made once.
         self._keys: tuple[list[str], list[str], numpy.ndarray] | None = None
-        # The last blend-tree walk: each position it covered -> its per-source values (samples, then
-        # epochs), all in the stage of the first (where the weights in _values hold): a read is a lookup.
-        self._ahead: dict[int, list[float]] = {}
+        # The last blend-tree walk: (first position, step, positions x step, each position's per-source
+        # values (samples, then epochs) as the bytes of contiguous float64 rows), every position in the
+        # first one's stage (where the weights in _values hold): a read unpacks one row, one cache line.
+        self._ahead: tuple[int, int, int, bytes] = (0, 1, 0, b"")
+        self._unpack: Any = None  # struct's unpack_from of one such row
+        self._row_bytes = 0
         self._step = 0  # how far the position moved between the last two reads that walked the tree
         self._stage: int | None = None  # the stage the weights in _values are for
         self._own_key = b""  # the trainer's storage row's bytes the storage values in _values are for
@@ -96,8 +100,8 @@ class Meter:
         counts as drawn (None: no per-source values).
 
         Read after every batch if need be, so the common case is inline and makes few calls (each
-        costs more than the arithmetic here): the per-source values are one dict lookup among the
-        positions walked ahead (made Python floats once a walk, not a numpy row a read), the storage
+        costs more than the arithmetic here): the per-source values are one row unpacked from the
+        positions walked ahead (contiguous bytes: a cache line, not a numpy row), the storage
         ones summed again only when a row's bytes changed (each path is the same computation as a
         read from scratch, tests/test_metrics_incremental.py)."""
         delivery = self.delivery() if self.delivery is not None else None
@@ -117,13 +121,15 @@ class Meter:
             values["workers/ready_batches"] = float(delivery.ready_batches())
         if position is not None and position != self._place:
             values["position"] = float(position)
-            row = self._ahead.get(position)
-            if row is None:
-                self._sources(dataset.stream, position, values)
-            else:  # walked ahead, in the stage whose weights values has
+            first, step, span, rows = self._ahead
+            off = position - first
+            if 0 <= off < span and not off % step:  # walked ahead, in the stage whose weights values has
+                row = self._unpack(rows, off // step * self._row_bytes)
                 for key, value in zip(self._keys[0], row, strict=False):  # the same length (strict costs 60%)
                     values[key] = value
                 self._place = position
+            else:
+                self._sources(dataset.stream, position, values)
         own = storage_stats.row()
         rows = self._worker_rows
         if own.tobytes() != self._own_key or (rows is not None and rows.tobytes() != self._rows_key):
@@ -138,7 +144,7 @@ class Meter:
         if moves:
             values["position"] = 0.0
         self._parts, self._place, self._own_key, self._rows_key, self._stage = parts, None, b"", b"", None
-        self._ahead = {}  # its rows are for the weights of the stage the old dict held
+        self._ahead = (0, 1, 0, b"")  # its rows are for the weights of the stage the old dict held
         return values
 
     def _sources(self, stream: Any, position: int, values: dict[str, float]) -> None:
@@ -155,6 +161,8 @@ class Meter:
                 # An epoch's samples; a source without any reports epoch 0 (count / inf).
                 numpy.array([float(source.windows) or numpy.inf for source in stream.sources]),
             )
+            self._unpack = struct.Struct(f"={len(self._keys[0])}d").unpack_from  # native doubles, as numpy's
+            self._row_bytes = 8 * len(self._keys[0])
             self._stage = None
         counted, weight_keys, _ = self._keys
         if self._stage is None:  # the dict was made again: the keys in their order, source by source
@@ -183,9 +191,9 @@ class Meter:
         counts, stages = stream.source_counts_many(positions)
         same = int(numpy.count_nonzero(stages == stages[0]))  # stages only rise with the position
         counts = counts[:same]
-        rows = numpy.concatenate([counts.astype(numpy.float64), counts / self._keys[2]], axis=1).tolist()  # type: ignore[index]
-        self._ahead = dict(zip(positions[:same].tolist(), rows, strict=True))
-        return int(stages[0]), rows[0]
+        rows = numpy.concatenate([counts.astype(numpy.float64), counts / self._keys[2]], axis=1)  # type: ignore[index]
+        self._ahead = (position, step or 1, same * (step or 1), rows.tobytes())
+        return int(stages[0]), rows[0].tolist()
 
     def _storage(self, own: numpy.ndarray, values: dict[str, float]) -> None:
         """The storage counters of the trainer (``own``) and the current pass's workers, summed into
