@@ -7,6 +7,8 @@ cannot honour keeps the reads on s3fs, which honours it, instead of being droppe
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from s3_servers import moto_server, proxy, upload
 
@@ -30,6 +32,19 @@ def test_config_kwargs_map_to_obstore_settings():
     assert obstore_client.wanted(url, options)
     assert not obstore_client.wanted(url, {"config_kwargs": {"signature_version": "s3v4"}})  # s3fs honours it
     assert not obstore_client.wanted(url, {"config_kwargs": {"s3": {"use_accelerate_endpoint": True}}})
+
+
+def test_options_obstore_cannot_honour_warn_once_naming_them(caplog):
+    """A fallback to s3fs that slows the reads is a WARNING, once per process, naming the keys and the remedy."""
+    options = {"requester_pays": True, "config_kwargs": {"signature_version": "s3v4"}}
+    with caplog.at_level(logging.WARNING, logger="statefulset"):
+        assert not obstore_client.wanted("s3://b/a.bin", options)
+        assert not obstore_client.wanted("s3://b/b.bin", options)
+    warned = [r for r in caplog.records if "cannot be honoured by obstore" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING, caplog.text
+    text = warned[0].getMessage()
+    assert "s3://b/a.bin: storage_options requester_pays, config_kwargs.signature_version" in text, text
+    assert "through s3fs, slower" in text and "STATEFULSET_S3_CLIENT=s3fs" in text, text
 
 
 def test_the_read_timeout_defaults_to_the_storage_call_setting(monkeypatch):

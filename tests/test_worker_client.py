@@ -9,6 +9,10 @@ of worker CPU per ranged GET against 0.6 ms through obstore). The loopback proxy
 real S3 API server (moto) counts the ranged GETs by client (the User-Agent), so the test sees
 which client the workers used. The loader runs in a fresh process: a pytest process that read
 through obstore in an earlier test would itself put forked workers on s3fs.
+
+A trainer that does read through obstore before forking (``ds[p]`` here) still puts its forked workers
+on s3fs: that fallback is no longer silent, each worker logs one WARNING naming the parent that
+started obstore's runtime, the cost and the remedy; the batches are the same.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ pytest.importorskip("obstore")
 BUCKET = "corpus"
 
 _RUN = """
-import json, sys, urllib.request
+import json, logging, os, sys, urllib.request
+import numpy
 from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 
-spec, endpoint, workers = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+spec, endpoint, workers, context, first = json.loads(sys.argv[1]), *sys.argv[2:]
+workers = int(workers)
+logging.basicConfig(level=logging.WARNING, format="pid=%(process)d %(levelname)s %(message)s")
 
 def stats(path):
     with urllib.request.urlopen(endpoint + "/__proxy__/" + path, timeout=30) as answer:
@@ -40,12 +47,19 @@ def stats(path):
 
 wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
 dataset = get_train_dataset(spec, batch_size=4, worker_config=wc)
-opened = stats("stats")["agents"]  # the trainer's reads while opening (the .bin's identity)
-loader = get_savable_loader(dataset, multiprocessing_context="fork" if workers else None)
+if first == "read":
+    dataset[0]  # the trainer reads a sample through obstore: its runtime starts here, before the fork
+opened = stats("stats")["agents"]  # the trainer's reads so far (at open: the .bin's identity)
+loader = get_savable_loader(dataset, multiprocessing_context=context if workers else None)
 batches = iter(loader)
+got = []
 for _ in range(12):
-    next(batches)
-print(json.dumps({"opened": opened, "read": stats("stats")["agents"]}), flush=True)
+    batch = next(batches)
+    got.append((batch["sample_id"].tolist(), batch["text"].numpy().copy()))
+read = stats("stats")["agents"]
+wrong = [p for ids, text in got for p, row in zip(ids, text) if not numpy.array_equal(row, dataset[p]["text"])]
+print(json.dumps({"opened": opened, "read": read, "trainer": os.getpid(), "wrong": wrong,
+                  "samples": sum(len(ids) for ids, _ in got)}), flush=True)
 """
 
 
@@ -62,8 +76,8 @@ def store(tmp_path_factory):
             yield server, p
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_workers_forked_after_opening_read_through_obstore(store, workers, tmp_path):
+def run(store, tmp_path, workers, context="fork", first="open"):
+    """The batches' ranged GETs by client (those after the trainer's own reads), the run's output and stderr."""
     server, p = store
     p.reset()
     options = {**server.options(), "endpoint_url": p.endpoint}
@@ -72,7 +86,7 @@ def test_workers_forked_after_opening_read_through_obstore(store, workers, tmp_p
     env = {k: v for k, v in os.environ.items() if k != "STATEFULSET_S3_CLIENT"}
     env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), STATEFULSET_REMOTE_CACHE=str(tmp_path / "node"))  # a fresh node
     out = subprocess.run(
-        [sys.executable, "-c", _RUN, json.dumps(spec), p.endpoint, str(workers)],
+        [sys.executable, "-c", _RUN, json.dumps(spec), p.endpoint, str(workers), context, first],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -80,4 +94,37 @@ def test_workers_forked_after_opening_read_through_obstore(store, workers, tmp_p
     assert sum(seen["opened"].values()) > 0, seen  # a fresh node reads the .bin's identity at open
     batches = {k: n - seen["opened"].get(k, 0) for k, n in seen["read"].items()}
     batches = {k: n for k, n in batches.items() if n}
+    assert seen["wrong"] == [] and seen["samples"] == 48, seen  # every row equals ds[p], read by the trainer
+    return batches, seen, out.stderr
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_workers_forked_after_opening_read_through_obstore(store, workers, tmp_path):
+    batches, _, stderr = run(store, tmp_path, workers)
     assert set(batches) == {"object_store"}, f"the batches' ranged GETs by client: {batches}"
+    assert "through s3fs" not in stderr, stderr[-3000:]
+
+
+def test_workers_forked_after_the_trainer_read_warn_once_each(store, tmp_path):
+    """The trainer reads ds[0] through obstore, then forks 2 workers: they read through s3fs (obstore's
+    runtime does not survive fork), and each says so once, naming the trainer, the cost and the remedy.
+    Saw it fail on 20c1259-equivalent main: the same s3fs reads, no WARNING."""
+    batches, seen, stderr = run(store, tmp_path, 2, "fork", "read")
+    assert set(batches) == {"aiobotocore"}, f"the batches' ranged GETs by client: {batches}"
+    lines = [line for line in stderr.splitlines() if "obstore's runtime was started in process" in line]
+    assert len(lines) == 2, stderr[-3000:]  # one per worker, not one per request
+    pids = {line.split()[0] for line in lines}
+    assert len(pids) == 2 and f"pid={seen['trainer']}" not in pids, lines
+    for line in lines:
+        assert line.split()[1] == "WARNING", line
+        assert f"started in process {seen['trainer']} before it forked this one" in line, line
+        assert "through s3fs instead, slower" in line and "3.4 ms against 0.6 ms" in line, line
+        assert "multiprocessing_context='forkserver'" in line and "no ds[p]" in line, line
+
+
+def test_forkserver_workers_of_a_trainer_that_read_use_obstore(store, tmp_path):
+    """The remedy the WARNING names: forkserver workers start from a fresh interpreter, without the
+    trainer's obstore runtime, and read through obstore."""
+    batches, _, stderr = run(store, tmp_path, 2, "forkserver", "read")
+    assert set(batches) == {"object_store"}, f"the batches' ranged GETs by client: {batches}"
+    assert "through s3fs" not in stderr, stderr[-3000:]

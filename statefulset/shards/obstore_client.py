@@ -22,15 +22,23 @@ spawned workers, or workers of a trainer that never read a batch itself, use obs
 one-off reads at open (a ``.bin``'s keyed sample, statefulset.shards.digests) ask for a ``fork_safe``
 read and go through s3fs, so that opening a dataset does not put its workers on s3fs (issue 26:
 3.3-3.7 ms of worker CPU per ranged GET through s3fs against 0.6 through obstore).
+
+Every fallback to s3fs that the user did not ask for (``STATEFULSET_S3_CLIENT=s3fs`` asks) logs one
+WARNING per process and reason, naming why, what it costs and what to do: a process forked after
+its parent started obstore's runtime (in each such worker), ``storage_options`` obstore cannot honour,
+obstore not installed (in the process that opens the dataset).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from statefulset import settings
+
+log = logging.getLogger("statefulset")
 
 # storage_options keys obstore can honour; with any other key the reads stay on s3fs.
 _MAPPABLE = {"endpoint_url", "key", "secret", "token", "anon", "profile", "client_kwargs", "config_kwargs"}
@@ -42,11 +50,37 @@ _CONFIG_KWARGS = {"connect_timeout", "read_timeout", "proxies", "s3", "region_na
 
 # The pid of the process that started obstore's runtime (inherited by forked children).
 _started_in: int | None = None
+# (pid, reason) of the fallback WARNINGs logged: once per process (a forked child inherits the set).
+_warned: set[tuple[int, str]] = set()
+_COST = (
+    "s3fs spends several times obstore's client CPU per ranged GET (issue 26 measured 3.4 ms against "
+    "0.6 ms in a DataLoader worker) and keeps at most 10 requests in flight (botocore's default pool)"
+)
+
+
+def _warn_once(reason: str, message: str, *args: Any) -> None:
+    if (os.getpid(), reason) not in _warned:
+        _warned.add((os.getpid(), reason))
+        log.warning(message, *args)
 
 
 def usable() -> bool:
-    """False in a process forked from one that had started obstore's runtime."""
-    return _started_in is None or _started_in == os.getpid()
+    """False in a process forked from one that had started obstore's runtime; the first time in a
+    process, with a WARNING (the reads go through s3fs instead)."""
+    if _started_in is None or _started_in == os.getpid():
+        return True
+    _warn_once(
+        "fork",
+        "statefulset: obstore's runtime was started in process %d before it forked this one (pid %d), and "
+        "obstore does not survive fork: this process reads s3:// ranges through s3fs instead, slower: %s. "
+        "Remedy: read no batch through obstore in the trainer before the DataLoader forks its workers "
+        "(no ds[p], no num_workers=0 iteration first), or start the workers with "
+        "multiprocessing_context='forkserver' (or 'spawn') given to get_savable_loader",
+        _started_in,
+        os.getpid(),
+        _COST,
+    )
+    return False
 
 
 def started_here() -> bool:
@@ -55,22 +89,49 @@ def started_here() -> bool:
 
 
 def wanted(url: str, storage_options: dict[str, Any] | None) -> bool:
-    """True when ``url``'s ranged reads should go through obstore."""
+    """True when ``url``'s ranged reads should go through obstore; a WARNING (once per process) when
+    they fall back to s3fs for a reason other than ``STATEFULSET_S3_CLIENT=s3fs``."""
     if settings.S3_CLIENT.get() == "s3fs":
         return False
     if not url.startswith(("s3://", "s3a://")):
         return False
-    options = storage_options or {}
-    if set(options) - _MAPPABLE or set(options.get("client_kwargs") or {}) - _CLIENT_KWARGS:
-        return False
-    config = options.get("config_kwargs") or {}
-    if set(config) - _CONFIG_KWARGS or set(config.get("s3") or {}) - {"addressing_style"}:
+    unmappable = unhonoured(storage_options or {})
+    if unmappable:
+        _warn_once(
+            "options " + unmappable,
+            "statefulset: %s: storage_options %s cannot be honoured by obstore, so the s3:// ranges of objects "
+            "opened with them are read through s3fs, slower: %s. Remedy: drop those options, or set "
+            "STATEFULSET_S3_CLIENT=s3fs to choose s3fs (and silence this)",
+            url,
+            unmappable,
+            _COST,
+        )
         return False
     try:
         import obstore  # noqa: F401
-    except ImportError:
+    except ImportError as exc:
+        _warn_once(
+            "import",
+            "statefulset: %s: obstore cannot be imported (%s), so s3:// ranges are read through s3fs, slower: %s. "
+            "Remedy: pip install 'statefulset[s3]' (or obstore), or set STATEFULSET_S3_CLIENT=s3fs to choose "
+            "s3fs (and silence this)",
+            url,
+            exc,
+            _COST,
+        )
         return False
     return True
+
+
+def unhonoured(options: dict[str, Any]) -> str:
+    """The ``storage_options`` keys obstore cannot honour, named (``""``: none)."""
+    client = options.get("client_kwargs") or {}
+    config = options.get("config_kwargs") or {}
+    keys = sorted(set(options) - _MAPPABLE)
+    keys += [f"client_kwargs.{k}" for k in sorted(set(client) - _CLIENT_KWARGS)]
+    keys += [f"config_kwargs.{k}" for k in sorted(set(config) - _CONFIG_KWARGS)]
+    keys += [f"config_kwargs.s3.{k}" for k in sorted(set(config.get("s3") or {}) - {"addressing_style"})]
+    return ", ".join(keys)
 
 
 def endpoint(options: dict[str, Any]) -> str | None:
