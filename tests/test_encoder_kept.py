@@ -21,7 +21,7 @@ from statefulset import (
     get_savable_loader,
     get_train_dataset,
 )
-from statefulset.loading.encoded_ring import staged
+from statefulset.loading.encoded_ring import staged, write_slot
 from statefulset.streams.documents import FieldSpec
 from statefulset.transforms.encoder import TaskEncoderRunner
 
@@ -147,16 +147,23 @@ def test_staging_kept_samples_equals_checking_each_sample(encoder, shift):
     samples, kept = runner.encode_rows(views, ids, ["s"] * 12)
     assert kept
     limits = numpy.iinfo(numpy.uint16)
-    fast = staged(samples, fields, ids, limits, rows, views, kept=True)
-    slow = staged(samples, fields, ids, limits)  # each sample's values checked and copied
-    if slow is None:  # tokens outside the corpus's dtype: collated and packed instead, both ways
-        assert fast is None and (rows["text"].min() < 0 or rows["text"].max() > limits.max)
-        return
-    assert fast is not None and list(fast.arrays) == list(slow.arrays) == ["text", "position_ids"]
+    fast = staged(samples, fields, ids, rows, views, kept=True)
+    slow = staged(samples, fields, ids)  # each sample's values checked and copied
+    assert fast is not None and slow is not None
+    assert list(fast.arrays) == list(slow.arrays) == ["text", "position_ids"]
     for name in slow.arrays:
         assert numpy.array_equal(fast.arrays[name], slow.arrays[name])
         assert fast.arrays[name].dtype == slow.arrays[name].dtype
     assert fast.arrays["text"] is rows["text"]  # no copy
+    # Into a slot: the same values both ways, or both refused when a token leaves the corpus's dtype
+    # (the bundle is then collated and packed instead).
+    fits = rows["text"].min() >= 0 and rows["text"].max() <= limits.max
+    for batch in (fast, slow):
+        view = {f.name: numpy.zeros((2, 12, *f.shape), dtype=f.dtype) for f in fields}
+        assert write_slot(view, 1, batch, limits) is bool(fits)
+        if fits:
+            assert numpy.array_equal(view["text"][1], rows["text"])
+            assert numpy.array_equal(view["position_ids"][1], rows["position_ids"])
 
 
 CASES = {

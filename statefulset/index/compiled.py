@@ -119,6 +119,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_fim_rows.restype = i64
     lib.sf_gather_batch.argtypes = [ptr, ptr, ptr, ptr]
     lib.sf_gather_batch.restype = i64
+    lib.sf_narrow_tokens.argtypes = [ptr, i64, ptr, i32]
+    lib.sf_narrow_tokens.restype = i64
 
 
 def _load(path: Path, source_digest: str | None) -> ctypes.CDLL:

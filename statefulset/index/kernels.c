@@ -1488,3 +1488,43 @@ int64_t sf_gather_batch(const int64_t *table, int64_t *batch, void *out, float *
     }
     return pieces;
 }
+
+/*
+ * n int64 tokens (an encoded micro-batch's text) narrowed into dst, of kind dst_kind (SF_KINDS), in one
+ * pass that also checks they fit: what the range check and the narrowing copy into a batch ring's slot
+ * did in two (statefulset.loading.encoded_ring). Returns 0 after writing all n; 1 when a token lies
+ * outside the kind's range (dst then holds an undefined prefix: the caller sends the batch another
+ * way); -1, nothing written, for a bad argument. Blocks of SF_NARROW_BLOCK tokens, each checked as it
+ * is written, so that a token out of range stops the copy within a block.
+ */
+#define SF_NARROW_BLOCK 2048
+/* A token v fits a kind of BITS bits iff v + BIAS (BIAS: 0 unsigned, 2^(BITS-1) signed), as a uint64, has no
+ * bit at or above BITS (a negative token wraps to a value with its top bits set): one OR over a block
+ * says whether all fit, a loop the compiler vectorises with the narrowing (a compare per token did not). */
+#define SF_NARROW(DT, BIAS, BITS)                                                              \
+    {                                                                                          \
+        DT *d = (DT *)dst;                                                                     \
+        for (int64_t b = 0; b < n; b += SF_NARROW_BLOCK) {                                     \
+            int64_t e = n - b < SF_NARROW_BLOCK ? n : b + SF_NARROW_BLOCK;                     \
+            uint64_t seen = 0;                                                                 \
+            for (int64_t i = b; i < e; i++) {                                                  \
+                uint64_t v = (uint64_t)src[i];                                                 \
+                seen |= v + (uint64_t)(BIAS);                                                  \
+                d[i] = (DT)v;                                                                  \
+            }                                                                                  \
+            if (seen >> (BITS)) return 1;                                                      \
+        }                                                                                      \
+    }
+int64_t sf_narrow_tokens(const int64_t *src, int64_t n, void *dst, int32_t dst_kind) {
+    if (n < 0 || n > INT64_MAX / 8 || dst_kind < 0 || dst_kind >= SF_KINDS || (n > 0 && (src == NULL || dst == NULL)))
+        return -1;
+    switch (dst_kind) {
+    case 0: SF_NARROW(uint8_t, 0, 8) break;
+    case 1: SF_NARROW(int8_t, 1 << 7, 8) break;
+    case 2: SF_NARROW(int16_t, 1 << 15, 16) break;
+    case 3: SF_NARROW(uint16_t, 0, 16) break;
+    case 4: SF_NARROW(int32_t, 1ULL << 31, 32) break;
+    default: memcpy(dst, src, (size_t)n * sizeof(int64_t)); break;
+    }
+    return 0;
+}

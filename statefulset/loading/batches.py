@@ -133,13 +133,13 @@ class BatchSource(IterableDataset):
         if not self.encoder.collates:
             return self.encoder.micro_batch(fields, positions, sources, keep=False)
         if self.encoder.encode_in_place(fields, positions):  # FillInTheMiddle's compiled path: rows changed in place
-            found = staged([], ring.fields, positions, ring.limits, fields, kept=True)
+            found = staged([], ring.fields, positions, fields, kept=True)
             if found is not None:
                 return found
             return self.encoder.batched(self.encoder.as_samples(fields, positions, sources), int(positions[0]))
         views = {name: list(values) for name, values in fields.items()}  # each row's view, made at once
         samples, kept = self.encoder.encode_rows(views, positions, sources)
-        found = staged(samples, ring.fields, positions, ring.limits, fields, views, kept)
+        found = staged(samples, ring.fields, positions, fields, views, kept)
         return found if found is not None else self.encoder.batched(samples, int(positions[0]))
 
     def _serve_encoded(self, ring: BatchRing, worker: int, workers: int) -> Iterator[tuple[Any, ...]]:
@@ -212,21 +212,22 @@ class BatchSource(IterableDataset):
     def _send_encoded(
         self, ring: BatchRing, worker: int, bundles: int, pending: list[Any], saved: Any, arena: Arena | None = None
     ) -> tuple[Any, ...]:
-        """A bundle into the ring's slot when it keeps the layout, else into the arena's (or one block)."""
+        """A bundle into the ring's slot when it keeps the layout (its tokens within the ring's dtype,
+        checked as they are written), else into the arena's (or one block)."""
         if saved is not None:  # the global RNG states as they were before the worker's keyed calls
             self.encoder.restore(saved)
         first, batches = pending[0][0], [batch for _, batch in pending]
         slot = bundles % ring.slots
-        if not all(type(b) is Staged or in_ring_layout(ring, self.cursor.positions(t), b) for t, b in pending):
-            values = [_collated(b) for b in batches]
-            if arena is not None:
-                return ("arena", worker, first, len(batches), *arena.place(values, slot, first))
-            return ("encoded", worker, first, len(batches), *pack(values))
-        ring.begin(worker, slot, first)
-        view = ring.view(worker, slot)
-        for i, batch in enumerate(batches):
-            write_slot(view, i, batch)
-        return _sent(ring, worker, slot, first, len(batches))
+        if all(type(b) is Staged or in_ring_layout(ring, self.cursor.positions(t), b) for t, b in pending):
+            ring.begin(worker, slot, first)
+            view = ring.view(worker, slot)
+            if all(write_slot(view, i, batch, ring.limits) for i, batch in enumerate(batches)):
+                return _sent(ring, worker, slot, first, len(batches))
+        # Out of the ring's layout: the slot (if begun) is left unsent, its stamps never checked.
+        values = [_collated(b) for b in batches]
+        if arena is not None:
+            return ("arena", worker, first, len(batches), *arena.place(values, slot, first))
+        return ("encoded", worker, first, len(batches), *pack(values))
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()

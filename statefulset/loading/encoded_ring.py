@@ -8,6 +8,11 @@ and copied once into *staged* arrays of the ring's row shapes (``text`` in int64
 which the worker then writes into its slot, or, when some batch of the bundle does not fit,
 turns into the collated dict the default collate gives, tensor for tensor.
 
+Whether the tokens fit the ring's dtype is checked as they are written into the slot
+(:func:`write_slot`): one compiled pass checks and narrows them (``sf_narrow_tokens``), where a
+range check and a narrowing copy took two; a batch with a token outside the dtype makes the worker
+send its bundle another way (``BatchSource._send_encoded``), the slot's partial contents unread.
+
 A sample qualifies when it is a :class:`TokenSample` that holds exactly the ring's fields (no
 others), each a numpy array (or numpy scalar) of the field's row shape and dtype (``text``:
 int64), and its ``sample_id`` is its position as an int. Anything else goes through the default
@@ -23,15 +28,22 @@ from typing import Any
 import numpy
 import torch
 
+from statefulset.index.compiled import library, writable_address
 from statefulset.streams.documents import FieldSpec
 from statefulset.transforms.sample import DATASET_FIELDS, TokenSample
 
 _INT64 = numpy.dtype(numpy.int64)
+# The ring's token dtypes by the kernel's kind numbers (kernels.c, SF_KINDS).
+_KINDS = {
+    numpy.dtype(t): k
+    for k, t in enumerate((numpy.uint8, numpy.int8, numpy.int16, numpy.uint16, numpy.int32, numpy.int64))
+}
 _OWN_FIELDS = len(dataclasses.fields(TokenSample))  # a TokenSample's attributes when nothing was added
 
 
 class Staged:
-    """One micro-batch's fields as ``[batch_size, *shape]`` arrays (``text`` int64), in the ring's order."""
+    """One micro-batch's fields as ``[batch_size, *shape]`` arrays (``text`` int64), in the ring's order;
+    the tokens not yet checked against the ring's dtype (:func:`write_slot` does)."""
 
     def __init__(self, arrays: dict[str, numpy.ndarray], positions: numpy.ndarray) -> None:
         self.arrays = arrays
@@ -55,7 +67,6 @@ def staged(
     samples: list[Any],
     fields: list[FieldSpec],
     positions: numpy.ndarray,
-    limits: Any,
     rows: dict[str, numpy.ndarray] | None = None,
     views: dict[str, list[numpy.ndarray]] | None = None,
     kept: bool = False,
@@ -73,7 +84,7 @@ def staged(
     if names is None:
         return None
     if kept and rows is not None:
-        return _kept(rows, fields, names, positions, limits)
+        return _kept(rows, fields, names, positions)
     wanted = set(names) | {"text", "sample_id", "source"}
     absent = [n for n in DATASET_FIELDS if n not in wanted]  # the dataset fields the ring does not carry
     held = []
@@ -103,7 +114,7 @@ def staged(
         if array is None:
             return None
         arrays[f.name] = array
-    return Staged(arrays, positions) if _fits(arrays["text"], limits) else None
+    return Staged(arrays, positions)
 
 
 def _kept(
@@ -111,10 +122,9 @@ def _kept(
     fields: list[FieldSpec],
     names: tuple[str, ...],
     positions: numpy.ndarray,
-    limits: Any,
 ) -> Staged | None:
     """:func:`staged` of kept samples: ``rows`` itself, when it holds exactly the ring's fields, of
-    their row shapes and dtypes (``text`` int64), the tokens (changed in place or not) within its dtype."""
+    their row shapes and dtypes (``text`` int64)."""
     if len(rows) != len(names) or any(name not in rows for name in names):
         return None  # a field the ring does not carry, or one it carries that the samples lack
     for f in fields:
@@ -123,7 +133,7 @@ def _kept(
             return None
         if array.shape != (positions.size, *f.shape):
             return None
-    return Staged({f.name: rows[f.name] for f in fields}, positions) if _fits(rows["text"], limits) else None
+    return Staged({f.name: rows[f.name] for f in fields}, positions)
 
 
 def _fits(text: numpy.ndarray, limits: Any) -> bool:
@@ -182,7 +192,37 @@ def in_ring_layout(ring: Any, positions: numpy.ndarray, batch: Any) -> bool:
     return not text.numel() or (int(text.min()) >= limits.min and int(text.max()) <= limits.max)
 
 
-def write_slot(view: dict[str, numpy.ndarray], i: int, batch: Any) -> None:
-    """Batch ``i`` of a bundle into the slot's arrays (text narrowed: its values were checked to fit)."""
+def write_slot(view: dict[str, numpy.ndarray], i: int, batch: Any, limits: Any) -> bool:
+    """Batch ``i`` of a bundle into the slot's arrays, ``text`` narrowed into the ring's dtype (``limits``,
+    a numpy.iinfo): False when a :class:`Staged` batch's token lies outside it (the slot then holds an
+    undefined part of the batch). A collated batch was checked by :func:`in_ring_layout`."""
+    if type(batch) is not Staged:
+        for name, array in view.items():
+            array[i][...] = batch[name].numpy()
+        return True
     for name, array in view.items():
-        array[i][...] = batch.arrays[name] if isinstance(batch, Staged) else batch[name].numpy()
+        if name == "text":
+            if not narrowed(batch.arrays[name], array[i], limits):
+                return False
+        else:
+            array[i][...] = batch.arrays[name]
+    return True
+
+
+def narrowed(text: numpy.ndarray, out: numpy.ndarray, limits: Any) -> bool:
+    """int64 ``text`` written into ``out`` (of the ring's dtype, ``limits`` its numpy.iinfo) when every
+    token fits it, else False (``out`` then holds an undefined part of them): one compiled pass, or
+    without the kernels numpy's range check and copy."""
+    lib = library()
+    kind = _KINDS.get(out.dtype)
+    if lib is not None and kind is not None and text.dtype == _INT64 and text.shape == out.shape:
+        source = writable_address(text) if text.flags.c_contiguous else None
+        target = writable_address(out)
+        if source is not None and target is not None:
+            code = lib.sf_narrow_tokens(source, text.size, target, kind)
+            if code >= 0:
+                return code == 0
+    if not _fits(text, limits):
+        return False
+    out[...] = text
+    return True
