@@ -28,13 +28,13 @@ from statefulset.errors import StatefulsetError
 from statefulset.transforms.collate import collate
 from statefulset.transforms.hooks import hook, refuse_hooks
 from statefulset.transforms.keyed import (
+    GlobalSeeder,
     Rekeyed,
     base_key,
     encoder_identity,
     restore_globals,
     restores_seeds,
     save_globals,
-    seed_globals,
     takes_rng,
     unwrapped,
 )
@@ -62,6 +62,7 @@ class _Method:
             else bound
         )  # fmt: skip
         self.key = base_key(seed, identity, name)
+        self.seed_globals = GlobalSeeder(self.key) if self.keyed else None
         self.rng_key = base_key(seed, identity, name + "/rng")
         self.generator = Rekeyed() if self.rng else None  # keyed_generator's draws, re-keyed per call
 
@@ -98,8 +99,8 @@ class TaskEncoderRunner:
     def _run(self, method: _Method, sample_id: int, argument: Any) -> Any:
         kwargs = {"rng": method.generator(method.rng_key, sample_id)} if method.generator is not None else {}
         try:
-            if method.keyed:  # the caller saved the global states and puts them back (_globals_kept)
-                seed_globals(method.key, sample_id)
+            if method.seed_globals is not None:  # the caller saved the global states and puts them back (_globals_kept)
+                method.seed_globals(sample_id)
                 return method.call(argument, **kwargs)
             if self._checks_left <= 0:
                 return method.call(argument, **kwargs)
