@@ -98,7 +98,7 @@ def python_batches(stream, p, dtype=numpy.int64):
     text = numpy.empty((p.size, SEQ + 1), dtype=numpy.int64)
     labels = numpy.empty((p.size, SEQ), dtype=numpy.float32)
     pieces = stream._fill(p, text, True, labels)
-    return result + [text, pieces.counts, pieces.lengths, labels]
+    return [*result, text, pieces.counts, pieces.lengths, labels]
 
 
 def assert_same(ours, theirs, what):
@@ -150,7 +150,7 @@ def test_without_kernels_the_rows_are_the_same(shards):
 
 def test_positions_outside_the_stream_are_named(shards):
     root, prefixes = shards
-    for name, spec in specs(root, prefixes):
+    for _name, spec in specs(root, prefixes):
         stream = open_stream(spec)
         bad = [-1] if stream.unbounded else [-1, len(stream)]
         for b in bad:

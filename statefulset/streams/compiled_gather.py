@@ -28,7 +28,8 @@ from statefulset.streams.documents import Pieces
 
 # kernels.c: SF_KINDS (tokens), sf_index_at's kinds (index arrays), and the layouts' sizes.
 TOKEN_KINDS = {
-    numpy.dtype(t): k for k, t in enumerate((numpy.uint8, numpy.int8, numpy.int16, numpy.uint16, numpy.int32, numpy.int64))
+    numpy.dtype(t): k
+    for k, t in enumerate((numpy.uint8, numpy.int8, numpy.int16, numpy.uint16, numpy.int32, numpy.int64))
 }
 INDEX_KINDS = {numpy.dtype(t): k for k, t in enumerate((numpy.int16, numpy.int32, numpy.int64, numpy.uint32))}
 TABLE, SOURCE, BATCH = 6, 18, 4
@@ -53,9 +54,7 @@ class BatchKernel:
         self.has_masks = all(d.loss_mask is None or d.loss_mask.mapped_address for d in datasets)
         self.schedule: tuple[numpy.ndarray, numpy.ndarray] | None = None  # native: a data schedule's tables
 
-    def fill(
-        self, rows_in: list[numpy.ndarray], out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
-    ) -> Any:
+    def fill(self, rows_in: list[numpy.ndarray], out: numpy.ndarray, want: bool, masks: numpy.ndarray | None) -> Any:
         """Rows of ``out`` (and ``masks``) from ``rows_in`` (megatron: the positions; native: each row's
         source, then its local sample); their pieces with ``want``, else None; REFUSED when not filled."""
         lib = compiled.library()
@@ -135,13 +134,15 @@ def megatron_kernel(sources: list[Any], blend: dict[str, numpy.ndarray] | None, 
     fields = []
     for source in sources:
         common = _source_fields(source.dataset)
-        shuffle, sample, document = (_index(a) for a in (source.shuffle_index, source.sample_index, source.document_index))
+        shuffle, sample, document = (
+            _index(a) for a in (source.shuffle_index, source.sample_index, source.document_index)
+        )
         lengths = source.dataset.sequence_lengths
         if common is None or shuffle is None or sample is None or document is None or lengths.dtype != numpy.int32:
             return None
         if sample[1] not in (1, 2) or source.sample_index.ndim != 2 or not lengths.flags.c_contiguous:
             return None
-        row = common + [*shuffle, source.shuffle_index.size, *sample, *document, source.document_index.size]
+        row = [*common, *shuffle, source.shuffle_index.size, *sample, *document, source.document_index.size]
         row += [lengths.ctypes.data, source.sample_index.shape[0]]
         fields.append(row + [0] * (SOURCE - len(row)))
     table = numpy.array(header + [v for row in fields for v in row], dtype=numpy.int64)
@@ -163,7 +164,7 @@ def native_kernel(sources: list[Any], width: int, schedule: Any = None) -> Any:
         common[5] = hi - lo  # the split's sequences, from sequence lo on
         key = int(source.key)
         key = key - (1 << 64) if key >= 1 << 63 else key  # the kernel reads it back as uint64
-        row = common + [source.windows, half_bits(source.windows), key, ROUNDS, source.first_token, lo]
+        row = [*common, source.windows, half_bits(source.windows), key, ROUNDS, source.first_token, lo]
         fields.append(row + [0] * (SOURCE - len(row)))
     header = [len(sources), 0, 0, 0, width, NATIVE]
     arrays = None

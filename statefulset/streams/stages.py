@@ -28,8 +28,8 @@ from statefulset.index.native.keys import derive_key
 from statefulset.index.native.windows import WindowSource
 from statefulset.spec.splits import SPLITS
 from statefulset.streams.base import OpenedSources, SampleStream, _fill_by_source, epoch_sizes, samples_per_epoch
-from statefulset.streams.compiled_gather import REFUSED, native_kernel
 from statefulset.streams.bestfit import BESTFIT_VERSION, _BinFiller, bestfit_sources, check_pad_id
+from statefulset.streams.compiled_gather import REFUSED, native_kernel
 from statefulset.streams.documents import Pieces
 from statefulset.streams.members import members_of, trim
 from statefulset.streams.native import _WindowFiller
