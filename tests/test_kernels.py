@@ -25,7 +25,7 @@ from statefulset.index.megatron.gpt import build_sample_index
 from statefulset.index.megatron.sample_index import build_sample_index_numpy
 from statefulset.index.native.keys import derive_key
 from statefulset.index.native.permutation import ROUNDS, KeyedPermutation, half_bits
-from statefulset.index.native.windows import _compiled_window_permute
+from statefulset.index.native.windows import compiled_window_permute
 from statefulset.streams.opening import open_stream
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -437,7 +437,7 @@ def test_compiled_feistel_equals_the_numpy_rounds(compiled, n, key, picks):
 @given(st.integers(1, 2**40), st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**52), min_size=1, max_size=40))
 def test_compiled_window_order_equals_numpy(compiled, windows, key, picks):
     local = numpy.array(picks, dtype=numpy.int64)
-    ours = _compiled_window_permute(local, windows, half_bits(windows), key, ROUNDS)
+    ours = compiled_window_permute(local, windows, half_bits(windows), key, ROUNDS)
     epochs, offsets = numpy.divmod(local, windows)
     expected = [
         int(KeyedPermutation(windows, derive_key(key, int(e)))._numpy(numpy.array([int(j)]))[0])

@@ -15,7 +15,7 @@ from statefulset.shards.index_copies import index_copy
 from statefulset.shards.storage import ShardFile, local_path, map_file
 
 
-def _prefix_str(path_prefix: str | os.PathLike[str]) -> str:
+def prefix_str(path_prefix: str | os.PathLike[str]) -> str:
     prefix = os.fspath(path_prefix)
     for ext in (".bin", ".idx"):
         if prefix.endswith(ext):
@@ -64,7 +64,7 @@ class IndexedDataset:
         validate: bool = True,
         facts_dir: str | None = None,
     ) -> None:
-        self.path_prefix = _prefix_str(path_prefix)
+        self.path_prefix = prefix_str(path_prefix)
         self.multimodal = bool(multimodal)
         self.storage_options = storage_options
         self.facts_dir = facts_dir  # where "this version passed the full check" is remembered

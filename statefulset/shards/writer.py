@@ -16,7 +16,7 @@ from statefulset.errors import StatefulsetError
 from statefulset.shards import idx_format, index_spill
 from statefulset.shards.direct_io import SequentialWriter
 from statefulset.shards.index_spill import SPILL_EVERY, IndexSpill
-from statefulset.shards.reader import IndexedDataset, _prefix_str
+from statefulset.shards.reader import IndexedDataset, prefix_str
 from statefulset.shards.storage import map_file
 from statefulset.shards.temporaries import hold, release, sweep, temp_path
 
@@ -82,7 +82,7 @@ class IndexedDatasetWriter:
     def __init__(
         self, path_prefix: str | os.PathLike[str], dtype: object = numpy.uint16, multimodal: bool = False
     ) -> None:
-        self.path_prefix = _local_path(_prefix_str(path_prefix))
+        self.path_prefix = _local_path(prefix_str(path_prefix))
         self.dtype: numpy.dtype = idx_format.token_dtype(dtype)
         self.multimodal = bool(multimodal)
         folder = os.path.dirname(os.path.abspath(self.path_prefix))

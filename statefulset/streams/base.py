@@ -264,7 +264,7 @@ def _some(pieces: Pieces | None) -> Pieces:
     return pieces
 
 
-def _fill_by_source(
+def fill_by_source(
     which: numpy.ndarray,
     local: numpy.ndarray,
     out: numpy.ndarray,
@@ -379,7 +379,7 @@ class BlendedStream(SampleStream):
         if self.schedule is None:
             return self._fillers[0].fill(positions, out, want, masks)
         which, local = self.locate(positions)
-        return _fill_by_source(which, local, out, self._fillers, want, masks)
+        return fill_by_source(which, local, out, self._fillers, want, masks)
 
 
 @dataclass(frozen=True)

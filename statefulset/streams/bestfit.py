@@ -33,7 +33,7 @@ BESTFIT_VERSION = 1  # of the dealing and packing rules: part of every cache key
 _INDEX_VERSION = 2  # of the stored index's arrays (a cache key part only)
 
 
-class _BinFiller:
+class BinFiller:
     def __init__(self, source: BestFitSource, pad_id: int) -> None:
         self.source = source
         self.pad_id = pad_id
@@ -54,7 +54,7 @@ class BestFitStream(BlendedStream):
     """Bins of whole documents of each source, blended position by position."""
 
     def __init__(self, spec, split, identity, sources: list[BestFitSource], weights: list[float], pad_id: int):
-        fillers = [_BinFiller(s, pad_id) for s in sources]
+        fillers = [BinFiller(s, pad_id) for s in sources]
         super().__init__(spec, split, identity, sources, fillers, weights, one_pass=split != "train")
         self.pad_id = pad_id
         self.padded = True

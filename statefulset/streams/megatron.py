@@ -16,7 +16,7 @@ from statefulset.index.megatron import blend as blending
 from statefulset.index.megatron.gpt import build_gpt_indices, warn_if_sample_exceeds_split
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
-from statefulset.streams.base import EXTRA, OpenedSources, SampleStream, _fill_by_source
+from statefulset.streams.base import EXTRA, OpenedSources, SampleStream, fill_by_source
 from statefulset.streams.compiled_gather import REFUSED, megatron_kernel
 from statefulset.streams.documents import Pieces, packed_pieces
 from statefulset.streams.label_masks import gather_ranges
@@ -155,7 +155,7 @@ class MegatronStream(SampleStream):
             return self.sources[0].fill(positions, out, want, masks)
         which = self.blend["dataset_index"][positions].astype(numpy.int64)
         local = self.blend["dataset_sample_index"][positions].astype(numpy.int64)
-        return _fill_by_source(which, local, out, self.sources, want, masks)
+        return fill_by_source(which, local, out, self.sources, want, masks)
 
 
 def open_megatron(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> MegatronStream:

@@ -22,7 +22,7 @@ from statefulset.streams.documents import Pieces, within_rows
 from statefulset.streams.label_masks import gather_ranges
 
 
-class _WindowFiller:
+class WindowFiller:
     def __init__(self, source: WindowSource) -> None:
         self.source = source
         lo, hi = source.sequence_range
@@ -83,7 +83,7 @@ class NativeStream(BlendedStream):
     """Keyed windows of each source, blended position by position; nothing is built or stored."""
 
     def __init__(self, spec, split, identity, sources: list[WindowSource], weights: list[float]):
-        fillers = [_WindowFiller(s) for s in sources]
+        fillers = [WindowFiller(s) for s in sources]
         super().__init__(spec, split, identity, sources, fillers, weights, one_pass=split != "train")
         self._kernel: Any = None  # compiled_gather.BatchKernel, made at the first batch (False: none)
 

@@ -27,12 +27,12 @@ from statefulset.index.native.blend_tree import BlendSchedule
 from statefulset.index.native.keys import derive_key
 from statefulset.index.native.windows import WindowSource
 from statefulset.spec.splits import SPLITS
-from statefulset.streams.base import OpenedSources, SampleStream, _fill_by_source, epoch_sizes, samples_per_epoch
-from statefulset.streams.bestfit import BESTFIT_VERSION, _BinFiller, bestfit_sources, check_pad_id
+from statefulset.streams.base import OpenedSources, SampleStream, epoch_sizes, fill_by_source, samples_per_epoch
+from statefulset.streams.bestfit import BESTFIT_VERSION, BinFiller, bestfit_sources, check_pad_id
 from statefulset.streams.compiled_gather import REFUSED, native_kernel
 from statefulset.streams.documents import Pieces
 from statefulset.streams.members import members_of, trim
-from statefulset.streams.native import _WindowFiller
+from statefulset.streams.native import WindowFiller
 
 
 def stage_digest(start: int, sources: list[tuple[str, tuple[int, int], float]]) -> str:
@@ -211,7 +211,7 @@ class StagedStream(SampleStream):
         self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None
     ) -> Pieces | None:
         which, local = self.locate(positions)
-        return _fill_by_source(which, local, out, self._fillers, want, masks)
+        return fill_by_source(which, local, out, self._fillers, want, masks)
 
     def __repr__(self) -> str:
         return f"StagedStream({self.split}, seq_length={self.seq_length}, {len(self.starts)} stages, unbounded)"
@@ -226,7 +226,7 @@ def open_staged(spec: Any, split: str, identity: dict[str, Any], opened: OpenedS
     if spec.packing == "bestfit":
         pad_id = check_pad_id(spec, opened)
         sources: list[Any] = bestfit_sources(spec, split, opened, keys)
-        fillers: list[Any] = [_BinFiller(s, pad_id) for s in sources]
+        fillers: list[Any] = [BinFiller(s, pad_id) for s in sources]
         identity["pad_id"] = pad_id
         identity["bestfit"] = BESTFIT_VERSION
     else:
@@ -236,7 +236,7 @@ def open_staged(spec: Any, split: str, identity: dict[str, Any], opened: OpenedS
                 WindowSource(ds, r, spec.seq_length, key)
                 for ds, r, key in zip(opened.datasets, opened.ranges, keys, strict=True)
             ]
-        fillers = [_WindowFiller(s) for s in sources]
+        fillers = [WindowFiller(s) for s in sources]
     where = {prefix: i for i, prefix in enumerate(prefixes)}
     stages, digests, described = [], [], []
     for start, blend in spec.stage_blends():

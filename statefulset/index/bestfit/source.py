@@ -24,7 +24,7 @@ from statefulset.errors import StatefulsetError
 from statefulset.index.bestfit.packing import split_documents, window_entries
 from statefulset.index.native.keys import derive_key
 from statefulset.index.native.permutation import ROUNDS, KeyedPermutation, half_bits
-from statefulset.index.native.windows import _compiled_window_permute
+from statefulset.index.native.windows import compiled_window_permute
 from statefulset.shards.reader import IndexedDataset
 
 # A window holds about this many samples' worth of documents: best-fit decreasing then leaves
@@ -119,7 +119,7 @@ class BestFitSource:
         """The epoch bin (in ``[0, samples_per_epoch)``) each local sample reads."""
         local = numpy.asarray(local, dtype=numpy.int64).reshape(-1)
         n = self.samples_per_epoch
-        found = _compiled_window_permute(local, n, self._half, self._order_key, ROUNDS)
+        found = compiled_window_permute(local, n, self._half, self._order_key, ROUNDS)
         if found is not None:
             return found
         epoch, j = numpy.divmod(local, n)

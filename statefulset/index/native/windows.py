@@ -50,7 +50,7 @@ class WindowSource:
         """First token (in the ``.bin``) of each local sample."""
         local = numpy.asarray(local, dtype=numpy.int64)
         if local.size and local.min() >= 0:
-            compiled = _compiled_window_permute(local, self.windows, self._half, self.key, ROUNDS)
+            compiled = compiled_window_permute(local, self.windows, self._half, self.key, ROUNDS)
             if compiled is not None:
                 return self.first_token + compiled.reshape(local.shape) * self.seq_length
         return self._window_starts_numpy(local)
@@ -68,7 +68,7 @@ class WindowSource:
         return self.first_token + windows * self.seq_length
 
 
-def _compiled_window_permute(
+def compiled_window_permute(
     local: numpy.ndarray, windows: int, half: int, key: int, rounds: int
 ) -> numpy.ndarray | None:
     """Permuted window of each non-negative ``local`` sample (see WindowSource), or None without kernels."""
