@@ -263,3 +263,46 @@ def test_settings_page_is_generated():
 
     page = (PACKAGE.parent / "docs" / "settings.md").read_text(encoding="utf-8")
     assert settings.table() in page, "docs/settings.md is stale: run python docs/build_settings.py"
+
+
+def _private_uses(path: Path, module: str) -> list[str]:
+    """Each private name (``_x``, not ``__x__``) ``path`` takes from another statefulset module: by
+    ``from statefulset.m import _x`` (relative or multi-line alike) or as ``m._x`` on an imported module."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found, modules = [], {}  # modules: local name -> the statefulset module it is bound to
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("statefulset") and alias.asname:
+                    modules[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            if not base.startswith("statefulset"):
+                continue
+            for alias in node.names:
+                if private(alias.name):
+                    found.append(f"{path.name}:{node.lineno} from {base} import {alias.name}")
+                elif f"{base}.{alias.name}" in MODULES:
+                    modules[alias.asname or alias.name] = f"{base}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            owner = ast.unparse(node.value)
+            target = modules.get(owner, owner)
+            if target in MODULES and target != module:
+                found.append(f"{path.name}:{node.lineno} {owner}.{node.attr} ({target})")
+    return found
+
+
+def test_no_private_imports():
+    """No module takes a private name (``_x``) from another: a name shared across modules is public
+    (without the underscore, even when it stays out of ``__all__`` and the docs)."""
+    found = {m: uses for m, p in FILES.items() if (uses := _private_uses(p, m))}
+    assert not found, f"private names used across modules (drop the underscore where they are defined): {found}"
