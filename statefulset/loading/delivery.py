@@ -110,7 +110,8 @@ class Delivery:
         self.restarted = self.superseded = False
         self.in_process: InProcessSource | None = None
         self.meter: Meter = options["meter"]
-        # For ready_batches: [ring, a view of its slots' stamps, their bytes at the last read, the end stamps sorted]
+        # For ready_batches: [a view of the ring's stamps, their bytes at the last read, the end stamps sorted,
+        # the ring's bundle]; None: made at the next call (a new ring)
         self._ends: list[Any] | None = None
         # Weakly: a strong reference made a cycle (delivery -> meter -> delivery) that kept a dropped
         # loader's persistent workers alive until a garbage collection.
@@ -122,6 +123,7 @@ class Delivery:
 
     def _start(self, cursor: Cursor) -> None:
         self.loader, self.source = _data_loader(self.dataset, cursor, self.options)
+        self._ends = None
         self.meter.ring = self.source.ring
         if self.workers:
             # The trainer's uncollected garbage is never finalised in a worker (statefulset.loading.worker_start).
@@ -137,6 +139,7 @@ class Delivery:
     def _resume(self, loader: DataLoader, source: BatchSource, iterator: Any) -> None:
         """A new pass of persistent workers: torch drains the last pass's batches and restarts them."""
         self.loader, self.source = loader, source
+        self._ends = None
         self.meter.ring = source.ring
         # The drain waits with the iterator's timeout: bound it by the watchdog's (or the loader's).
         period = self.watchdog.period(True)
@@ -233,17 +236,17 @@ class Delivery:
         (all of them: a contiguous copy costs half a strided one of the end stamps alone) are compared
         with the last read's and the end stamps sorted again only when a worker wrote one; the count
         is then a bisection of that sorted list (exact: the same count as a scan of the stamps)."""
-        ring = self.source.ring if self.workers else None
-        if ring is None:
-            return len(self.ready)
         ends = self._ends
-        if ends is None or ends[0] is not ring:  # a view of the shared stamps, made once per ring
-            ends = self._ends = [ring, ring.stamps.numpy(), b"", []]
-        stamps = ends[1].tobytes()
-        if stamps != ends[2]:
-            ends[2], ends[3] = stamps, sorted(numpy.frombuffer(stamps, dtype=numpy.int64)[1::2].tolist())
-        ordered = ends[3]
-        return len(self.ready) + ring.bundle * (len(ordered) - bisect_left(ordered, self.next_t))
+        if ends is None:  # a view of the shared stamps, made once per ring (_start and _resume drop it)
+            ring = self.source.ring if self.workers else None
+            if ring is None:
+                return len(self.ready)
+            ends = self._ends = [ring.stamps.numpy(), b"", [], ring.bundle]
+        stamps = ends[0].tobytes()
+        if stamps != ends[1]:
+            ends[1], ends[2] = stamps, sorted(numpy.frombuffer(stamps, dtype=numpy.int64)[1::2].tolist())
+        ordered = ends[2]
+        return len(self.ready) + ends[3] * (len(ordered) - bisect_left(ordered, self.next_t))
 
     def _describe(self) -> str:
         """The awaited batch, for the watchdog and the stall report: worker, positions, files, oldest request."""
