@@ -144,6 +144,8 @@ def stream(record: dict, part: str) -> str:
     """One part (build, native, firstuse, batch) of bench_stream.py's tables."""
     from bench_stream import part_markdown
 
+    if part == "batch":  # a later run of `bench_stream.py --parts batch` alone, kept in its own file
+        record = load("bench_stream_batch") or record
     return part_markdown({**record, **record["summary"]}, part) + "\n"
 
 

@@ -1102,7 +1102,7 @@ int64_t sf_fim_rows(const int64_t *params, const double *rates, const int64_t *i
 /* ----------------------------------------------------------------------------------------------
  * Batch assembly in one call (statefulset.streams.compiled_gather): plan every row's token ranges
  * from the stream's indices and copy (widening) them, the loss_mask beside them when asked for.
- * The Python versions (GPTSource.fill, _WindowFiller.fill) give the same rows and pieces; every
+ * The Python versions (GPTSource.fill, WindowFiller.fill) give the same rows and pieces; every
  * index read is checked here, and anything out of range returns -1 with nothing written, so that
  * the caller runs the Python version, which names what is wrong.
  */
@@ -1347,7 +1347,7 @@ static int64_t sf_schedule_locate(const int64_t *schedule, const int64_t *tree, 
     return d;
 }
 
-/* Plan of packing native's rows (_WindowFiller.fill and _pieces): each row is the window its
+/* Plan of packing native's rows (WindowFiller.fill and _pieces): each row is the window its
  * source's keyed permutation gives the local sample (sf_window_permute), cut into pieces where a
  * sequence starts inside it (sf_window_pieces). Returns as sf_plan_megatron. */
 static int64_t sf_plan_native(const int64_t *table, int64_t *batch) {
