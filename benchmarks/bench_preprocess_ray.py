@@ -46,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from jsonl_corpus import EOD_TOKEN, ensure_corpus, train_tokenizer  # noqa: E402
+from process_cpu import proc_cpu  # noqa: E402
 from provenance import ratio, stamp, summary, write_results  # noqa: E402
 
 EXTRA = ("ray", "tokenizers", "pyarrow", "datatrove")
@@ -81,17 +82,7 @@ CPU = {"seconds": 0.0}  # CPU seconds (user + system) of the last timed() comman
 
 def session_cpu(sid: int, seen: dict[int, float]) -> None:
     """The CPU seconds so far of every live process of session ``sid`` into ``seen`` (pid -> seconds)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[3]) == sid:
-            seen[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+    seen.update(proc_cpu(3, sid))
 
 
 def timed(command: list[str], env: dict | None = None) -> tuple[float, str]:

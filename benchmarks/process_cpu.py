@@ -10,10 +10,11 @@ import os
 import time
 
 
-def tree_cpu() -> float:
-    """User and system CPU seconds of this process and of its live children so far."""
-    total = time.process_time()
-    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+def proc_cpu(field: int, value: int) -> dict[int, float]:
+    """User and system CPU seconds so far of every live process whose /proc stat field ``field``
+    (counted after the name: 1 is the ppid, 3 the session id) equals ``value``, by pid."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[int, float] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -22,6 +23,11 @@ def tree_cpu() -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        if int(fields[1]) == me:  # fields after the name: state, ppid, ..., utime (11), stime (12)
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        if int(fields[field]) == value:  # fields after the name: state, ppid, ..., utime (11), stime (12)
+            found[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+    return found
+
+
+def tree_cpu() -> float:
+    """User and system CPU seconds of this process and of its live children so far."""
+    return time.process_time() + sum(proc_cpu(1, os.getpid()).values())
