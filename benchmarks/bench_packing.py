@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from plots import IMG_DIR, RESULTS_DIR, add_plot_argument  # noqa: E402
+from process_cpu import tree_cpu  # noqa: E402
 
 from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset  # noqa: E402
 from statefulset.streams.documents import field_layout, gather_fields  # noqa: E402
@@ -213,28 +214,12 @@ def _through_workers(spec: dict, boundaries: bool, batches: int) -> tuple[float,
                                                   document_boundaries=boundaries))  # fmt: skip
     iterator = iter(loader)
     next(iterator)  # workers started
-    began, cpu = time.perf_counter(), time.process_time() + _children_cpu()
+    began, cpu = time.perf_counter(), tree_cpu()
     for _, _batch in zip(range(batches), iterator, strict=False):
         pass
-    seconds, cpu = time.perf_counter() - began, time.process_time() + _children_cpu() - cpu
+    seconds, cpu = time.perf_counter() - began, tree_cpu() - cpu
     del iterator, loader
     return batches * 8 * SEQ / seconds, cpu / batches * 1e6
-
-
-def _children_cpu() -> float:
-    """CPU seconds (user + system) used so far by this process's live children (Linux /proc)."""
-    total, me, tick = 0.0, os.getpid(), os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == me:  # ppid
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
 
 
 def seek(spec: dict) -> dict:
