@@ -397,3 +397,26 @@ def test_a_build_given_up_on_is_never_served_as_another_replica_batch(spec):
     assert loader.last.replica_batch == 1
     assert batch["sample_id"].tolist() == [3, 4, 5]
     assert batch["text"].tolist() == [ds[p].text.tolist() for p in (3, 4, 5)]
+
+
+def test_a_stream_that_does_not_repeat_ends_after_its_last_whole_replica_batch(tmp_path):
+    """A finite stream (packing megatron, 100 samples) without repeat: a replica-batch of W = 2 ranks of
+    B = 3 rows is served while its rows lie inside the stream (replica-batches 0 .. 15, positions < 96),
+    and the stable quorum's next step, which the plan's prefetch covers, ends the iteration instead."""
+    spec = demo_spec(str(tmp_path), packing="megatron", documents=600, num_samples=100)
+    wc = WorkerConfig(rank=1, world_size=2, num_workers=2)
+    ds = get_train_dataset(spec, batch_size=3, worker_config=wc, repeat=False)
+    assert len(ds.stream) == 100
+    quorum = ScriptedQuorum(2, 1)
+    loader = FaultTolerantLoader(ds, quorum)
+    served = []
+    with pytest.raises(StopIteration):
+        for _ in range(20):
+            quorum.start_quorum()
+            batch = next(loader)
+            served.append(loader.last.replica_batch)
+            assert batch["sample_id"].tolist() == [(served[-1] * 2 + 1) * 3 + j for j in range(3)]
+            quorum.commit()
+    assert served == list(range(1, 16, 2))  # 17 would read positions 105 .. 107
+    assert loader.built_here == 1  # the first step; the others came from the plan's workers
+    loader.close()

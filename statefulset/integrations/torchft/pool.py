@@ -148,7 +148,8 @@ class Builds(Dataset):
                 return generation, ("error", worker, first, f"{type(exc).__name__}: {exc}")
             self.checked = True
         c = source.cursor
-        source.cursor = Cursor(base, 0, c.dp_rank, dp_size, c.batch_size)
+        if c.base != base or c.dp_size != dp_size:  # another plan's layout (a change): made once per plan
+            source.cursor = Cursor(base, 0, c.dp_rank, dp_size, c.batch_size)
         numbers = range(first, first + count)
         return generation, source.fill(ring, worker, slot, numbers, lambda: self.current() != generation)  # type: ignore[arg-type]
 
@@ -195,6 +196,7 @@ class PlanWorkers:
         self.iterator: Any = None
         self.first = True
         self.start_watch = StartWatch(options.multiprocessing_context)
+        self.pin_memory = options.pin_memory and torch.cuda.is_available()  # read once, not per batch
 
     def _source(self, cursor: Cursor) -> BatchSource:
         d = self.dataset
@@ -255,6 +257,10 @@ class PlanWorkers:
 
     def next(self) -> Any:
         """The plan's next batch: older plans' results are discarded unread."""
+        ready = self.ready
+        if ready and not self.pin_memory:  # the rest of a bundle the trainer holds: nothing to wait for
+            self.expected += 1
+            return ready.pop()
         try:
             return self._next()
         except RuntimeError as exc:  # a worker died: torch says so wherever the trainer is
@@ -277,7 +283,7 @@ class PlanWorkers:
             self.first = False
         batch = self.ready.pop()
         self.expected += 1
-        return pin(batch) if self.options.pin_memory and torch.cuda.is_available() else batch
+        return pin(batch) if self.pin_memory else batch
 
     def _get(self, period: float | None) -> Any:
         if not self.start_watch.pending():
