@@ -6,7 +6,8 @@ no code from a cache folder. Flags: the platform's release flags plus ``-ffp-con
 fused multiply-add; never fast-math), so that every double rounds exactly as in megatron-core's
 ``helpers.cpp`` and in the Python fallbacks. The library records the SHA-256 of the ``kernels.c``
 it was built from, so that a checkout whose ``kernels.c`` changed since (an editable install not
-rebuilt) is noticed at load time instead of running old code. The extension is optional: without
+rebuilt) is noticed at load time instead of running old code; likewise ``kernels_module.c``'s, for the
+functions the module itself holds (the compiled metrics read). The extension is optional: without
 a compiler the install still succeeds and ``statefulset.index.compiled`` falls back, with a WARNING.
 """
 
@@ -19,7 +20,10 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 KERNELS = "statefulset/index/kernels.c"
+MODULE = "statefulset/index/kernels_module.c"
 DIGEST = hashlib.sha256((Path(__file__).resolve().parent / KERNELS).read_bytes()).hexdigest()
+# The module's own functions (the compiled metrics read) are checked against this file the same way.
+MODULE_DIGEST = hashlib.sha256((Path(__file__).resolve().parent / MODULE).read_bytes()).hexdigest()
 
 
 class BuildKernels(build_ext):
@@ -36,8 +40,8 @@ setup(
     ext_modules=[
         Extension(
             "statefulset.index._kernels",
-            sources=[KERNELS, "statefulset/index/kernels_module.c"],
-            define_macros=[("SF_SOURCE_SHA256", f'"{DIGEST}"')],
+            sources=[KERNELS, MODULE],
+            define_macros=[("SF_SOURCE_SHA256", f'"{DIGEST}"'), ("SF_MODULE_SHA256", f'"{MODULE_DIGEST}"')],
             optional=True,
         )
     ],

@@ -10,6 +10,7 @@ the time of one ``metrics()`` call at a position that moved, and of ``metrics(ac
 on one rank. And the same ratio within one loader (``paired_ratio``): blocks of 1,000 batches that read
 after every batch alternate with blocks that never read (ABBA), so both sides share the workers,
 the caches and whatever else the machine does; the runs' spread of that ratio is much narrower.
+The same paired ratio for reading after every 10th batch (a logger at ``log_interval`` 10).
 
     python benchmarks/bench_metrics.py [--repeats 5] [--batches 3000] [--seq-lengths 128,2048]
 """
@@ -63,10 +64,11 @@ def batches_per_second(spec: str, every: int, batches: int) -> float:
     return batches / (time.perf_counter() - start)
 
 
-def paired_ratio(spec: str, batches: int, block: int = 1000) -> float:
-    """Throughput reading the metrics after every batch over never reading them, in one loader: blocks of
-    ``block`` batches alternate (read, not, not, read, ...), so both see the same workers, caches and
-    machine load; the ratio of the two sums of block times."""
+def paired_ratio(spec: str, batches: int, every: int = 1, block: int = 1000) -> float:
+    """Throughput reading the metrics after every ``every``-th batch (1: each; 10: a logger at
+    ``log_interval`` 10) over never reading them, in one loader: blocks of ``block`` batches alternate
+    (read, not, not, read, ...), so both see the same workers, caches and machine load; the ratio of
+    the two sums of block times."""
     from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 
     wc = WorkerConfig(rank=0, world_size=1, num_workers=WORKERS)
@@ -78,9 +80,9 @@ def paired_ratio(spec: str, batches: int, block: int = 1000) -> float:
     for b in range(max(2, batches // block)):
         read = b % 4 in (0, 3)  # ABBA: a drift within the run falls on both sides alike
         start = time.perf_counter()
-        for _ in range(block):
+        for step in range(block):
             next(it)
-            if read:
+            if read and step % every == 0:
                 loader.metrics()
         seconds[read] += time.perf_counter() - start
     return seconds[False] / seconds[True]
@@ -123,11 +125,13 @@ def main() -> None:
     runs = {seq: {label: [] for label, _ in modes} for seq in lengths}
     calls: dict[str, list[float]] = {"metrics_us": [], "metrics_across_ranks_us": []}
     paired: dict[int, list[float]] = {seq: [] for seq in lengths}
+    paired_10: dict[int, list[float]] = {seq: [] for seq in lengths}
     for r in range(args.repeats):
         for seq in lengths:
             for label, every in modes if r % 2 == 0 else modes[::-1]:
                 runs[seq][label].append(batches_per_second(specs[seq], every, args.batches))
             paired[seq].append(paired_ratio(specs[seq], args.batches))
+            paired_10[seq].append(paired_ratio(specs[seq], args.batches, every=10))
         calls["metrics_us"].append(call_us(specs[lengths[0]], False, 2000))
         calls["metrics_across_ranks_us"].append(call_us(specs[lengths[0]], True, 2000))
     sizes = {}
@@ -142,6 +146,9 @@ def main() -> None:
             # Read every step over never, within one loader (alternating blocks, ABBA): one ratio a run.
             "paired_ratio_runs": paired[seq],
             "paired_ratio": spread(paired[seq]),
+            # Read every 10th step over never, the same way (a logger at log_interval 10).
+            "paired_ratio_every_10_runs": paired_10[seq],
+            "paired_ratio_every_10": spread(paired_10[seq]),
         }
     call_summary = {label: spread(values) for label, values in calls.items()}
     result = {
@@ -166,6 +173,8 @@ def main() -> None:
         print(f"    throughput against never reading the metrics: {found['throughput_ratio']}")
         pr = found["paired_ratio"]
         print(f"    read every step / never, same loader: median {pr['median']:.3f} ({pr['min']:.3f}..{pr['max']:.3f})")
+        pr = found["paired_ratio_every_10"]
+        print(f"    read every 10th / never, same loader: median {pr['median']:.3f} ({pr['min']:.3f}..{pr['max']:.3f})")
     for label, sp in call_summary.items():
         print(f"  {label}: median {sp['median']:.1f} (min {sp['min']:.1f}, max {sp['max']:.1f})")
 

@@ -202,12 +202,15 @@ def metrics(record: dict) -> str:
     rows = [f"{record['workers']} workers, {record['batches_per_run']:,} batches a run; median (min–max) of {runs} "
             "runs; ratios of the medians, and of blocks that read and blocks that do not alternating in one loader.",
             "", "| batch | never read, batches/s | read every step | read every 10th | every step ÷ never "
-            "| every 10th ÷ never | every step ÷ never, paired |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+            "| every 10th ÷ never | every step ÷ never, paired | every 10th ÷ never, paired |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for size, r in record["sizes"].items():
         b, q = r["batches_per_second"], r["throughput_ratio"]
+        # Runs before the paired every-10th ratio was added have none.
+        tenth = _mmm(r["paired_ratio_every_10"]) if "paired_ratio_every_10" in r else "not measured"
         rows.append(f"| {size} | {_mmm(b['never_read'], digits=0)} | {_mmm(b['read_every_step'], digits=0)} "
                     f"| {_mmm(b['read_every_10_steps'], digits=0)} | {q['read_every_step']:.3f} "
-                    f"| {q['read_every_10_steps']:.3f} | {_mmm(r['paired_ratio'])} |")  # fmt: skip
+                    f"| {q['read_every_10_steps']:.3f} | {_mmm(r['paired_ratio'])} | {tenth} |")  # fmt: skip
     call = record["call_us"]
     rows += ["", f"One `metrics()` read alone: {_mmm(call['metrics_us'], digits=1)} µs; `across_ranks=True` on one "
                  f"rank {_mmm(call['metrics_across_ranks_us'], digits=1)} µs."]  # fmt: skip

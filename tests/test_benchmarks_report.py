@@ -192,3 +192,24 @@ def test_every_generator_feeds_a_page():
     """A table moved from hand-written to generated (issue 26) stays generated: each generator has a block."""
     used = {m.group(2).split()[0] for page in report.PAGES for m in report.BLOCK.finditer(Path(page).read_text())}
     assert set(report.GENERATORS) <= used, sorted(set(report.GENERATORS) - used)
+
+
+def test_the_metrics_table_shows_the_paired_ratio_of_reading_every_10th_step():
+    """bench_metrics.py records it beside the every-step one (issue 29: a logger at log_interval 10);
+    a results file from before it says it was not measured."""
+    import copy
+
+    import report_tables
+
+    record = report.load("bench_metrics")
+    assert record is not None
+    new = copy.deepcopy(record)
+    for r in new["sizes"].values():
+        r.pop("paired_ratio_every_10", None)
+    old = report_tables.metrics.__wrapped__(new)
+    assert "every 10th ÷ never, paired" in old and old.count("| not measured |") == len(new["sizes"])
+    first = next(iter(new["sizes"].values()))
+    first["paired_ratio_every_10"] = {"median": 0.987, "min": 0.981, "max": 0.994}
+    table = report_tables.metrics.__wrapped__(new)
+    row = next(line for line in table.splitlines() if line.startswith(f"| {next(iter(new['sizes']))} |"))
+    assert row.endswith("| 0.99 (0.98–0.99) |"), row

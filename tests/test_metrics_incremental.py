@@ -5,7 +5,9 @@ positions looked up ahead, the storage sums when a row's bytes changed, the work
 slots' end stamps sorted when one changed. After random steps (runs of a steady step, reads at the
 same place, jumps), with 0 and 2 DataLoader workers, across a stage change and into a restored
 loader, every read must equal the same metrics computed from the public pieces (the stream's blend
-tree, the weights, the storage rows, the ring's stamps) with nothing kept.
+tree, the weights, the storage rows, the ring's stamps) with nothing kept. Both ways a read runs:
+the compiled read (one C call, statefulset.loading.compiled_read) serving all it can, and Python
+alone (the fallback without the extension, or with one built from another kernels_module.c).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy
 import pytest
 
 from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset.index import compiled
 from statefulset.shards import storage_stats
 from statefulset.streams.standing import weights_at
 
@@ -36,6 +39,22 @@ def spec(tmp_path_factory):
         "seq_length": SEQ, "split": "1", "packing": "native", "seed": 4, "path_to_cache": str(root / "cache"),
         "stages": [{"start": start, "data_path": mix} for start, mix in stages],
     }  # fmt: skip
+
+
+@pytest.fixture(params=["compiled", "python"])
+def read_by(request, monkeypatch, tmp_path):
+    """The compiled read (required: the extension is built by pip install -e / setup.py build_ext), or
+    Python alone, as with an extension built from another kernels_module.c (a stale build)."""
+    compiled._reset()
+    if request.param == "python":
+        stale = tmp_path / "kernels_module.c"
+        stale.write_text("/* another version */\n")
+        monkeypatch.setattr(compiled, "_MODULE_SOURCE", stale)
+    else:
+        assert compiled.module_function("metrics_read") is not None, "build the extension: setup.py build_ext"
+    yield request.param
+    monkeypatch.undo()
+    compiled._reset()
 
 
 def _from_scratch(loader, start: numpy.ndarray, shared: tuple[bytes, numpy.ndarray] | None) -> dict[str, float]:
@@ -88,9 +107,10 @@ def _checked_read(loader) -> dict[str, float]:
     raise AssertionError("the workers' shared memory changed during each of 1000 reads")
 
 
-def _made(spec, workers: int, state=None):
+def _made(spec, workers: int, state=None, read_by: str = "compiled"):
     wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
     loader = get_savable_loader(get_train_dataset(spec, batch_size=BATCH, worker_config=wc))
+    assert (loader._options["meter"]._compiled is not None) == (read_by == "compiled")
     loader.start_row = storage_stats.row().copy()  # what the loader's meter counts from
     if state is not None:
         loader.restore_state_rank(state)
@@ -118,28 +138,35 @@ def _walk(loader, rng, reads: int) -> None:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_every_read_equals_the_metrics_computed_from_scratch(spec, workers):
+def test_every_read_equals_the_metrics_computed_from_scratch(spec, workers, read_by):
     rng = numpy.random.default_rng(11 + workers)
-    loader = _made(spec, workers)
+    loader = _made(spec, workers, read_by=read_by)
     _checked_read(loader)  # before the first batch: no workers' queue yet
     _walk(loader, rng, 80)  # past the stage changes at positions 96 and 300
     assert loader.batches_taken * BATCH > 300
     state = loader.save_state_rank()
-    again = _made(spec, workers, state)  # restored: read before iterating, then the queue comes
+    again = _made(spec, workers, state, read_by)  # restored: read before iterating, then the queue comes
     _checked_read(again)
     _walk(again, rng, 40)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_reads_after_every_batch_across_the_stage_changes_equal_the_metrics_computed_from_scratch(spec, workers):
+def test_reads_after_every_batch_across_the_stage_changes_equal_the_metrics_computed_from_scratch(
+    spec, workers, read_by
+):
     """A logger's reads (one step, run long): most are looked up among the positions one walk of the blend
     tree covered ahead, a walk stops at the stage's end (the weights there are the next stage's), and the
     reads after each stage change must show its weights."""
-    loader = _made(spec, workers)
+    loader = _made(spec, workers, read_by=read_by)
+    meter = loader._options["meter"]
     it = iter(loader)
     weights = set()
+    served = 0  # reads the compiled read served: the Python dict was left behind
     for _ in range(100):  # positions 4 .. 400: past the stage changes at 96 and 300
         next(it)
         got = _checked_read(loader)
+        served += meter._values["batches"] != got["batches"]
         weights.add(tuple(v for k, v in got.items() if k.endswith("/weight")))
     assert len(weights) == 3
+    # Python: every read; compiled: all but those that walk the blend tree (the first two, and at the stage changes).
+    assert served > 80 if read_by == "compiled" else served == 0

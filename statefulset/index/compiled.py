@@ -15,6 +15,10 @@
    version: the same results, dtypes included, 10–100x slower. That is logged once, as a WARNING
    (INFO when the kernels were turned off on purpose).
 
+The extension module's own functions (``kernels_module.c``, called as Python functions: the compiled
+``loader.metrics()`` read) come only from the installed module, checked against its source the same
+way (:func:`module_function`); without it their callers run in Python, with a WARNING.
+
 No library is ever loaded from ``path_to_cache`` or any other folder that other users or jobs can
 write (CONTRACT §14). Both builds use ``-ffp-contract=off`` and no fast-math: no fused
 multiply-add, so every floating-point expression rounds exactly as in megatron-core's
@@ -38,6 +42,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy
 
@@ -45,11 +50,12 @@ from statefulset import settings
 from statefulset.errors import StatefulsetError
 from statefulset.index import private_build
 
-__all__ = ["available", "library", "origin", "pick", "reason"]
+__all__ = ["available", "library", "module_function", "origin", "pick", "reason"]
 
 logger = logging.getLogger("statefulset")
 
 _SOURCE = Path(__file__).with_name("kernels.c")
+_MODULE_SOURCE = Path(__file__).with_name("kernels_module.c")  # the extension module's own functions
 _INSTALLED = f"{__name__.rpartition('.')[0]}._kernels"  # the extension module setup.py builds
 _ABI = 9
 _REBUILD = "pip install . (or pip install -e . / python setup.py build_ext --inplace in a checkout)"
@@ -57,6 +63,7 @@ _REBUILD = "pip install . (or pip install -e . / python setup.py build_ext --inp
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "lib": None, "reason": None, "origin": None}
 _scratch = threading.local()  # scratch(): each thread's block of kernel arguments
+_functions: dict[str, object] = {}  # module_function(): each name's function (None: unavailable, logged once)
 
 
 def _new_lock_in_child() -> None:
@@ -210,6 +217,7 @@ def _reset() -> None:
     """Forget the loaded library so that the next call looks at the environment again (tests)."""
     with _lock:
         _state.update(loaded=False, lib=None, reason=None, origin=None)
+        _functions.clear()
 
 
 def address(array: numpy.ndarray, dtype: type) -> int:
@@ -253,3 +261,39 @@ def pick(native: bool | None) -> ctypes.CDLL | None:
     if lib is None and native:
         raise StatefulsetError(f"compiled kernels requested but unavailable: {_state['reason']}")
     return lib
+
+
+def module_function(name: str) -> Any:
+    """``name`` from the installed extension module's own functions (``kernels_module.c``: called as
+    Python functions, not through ctypes), or None, logged once as a WARNING (INFO when the kernels
+    were turned off): not installed, built from another ``kernels_module.c`` (an edited checkout not
+    rebuilt: its recorded SHA-256 differs), or without ``name``. There is no private build of them:
+    the caller runs its Python version, with the same results."""
+    if name in _functions:
+        return _functions[name]
+    found, why = None, None
+    if not settings.KERNELS.get():
+        why = "turned off by STATEFULSET_KERNELS"
+    else:
+        try:
+            module = importlib.import_module(_INSTALLED)
+            built_from = getattr(module, "source_sha256", "")
+            if _MODULE_SOURCE.exists() and built_from != hashlib.sha256(_MODULE_SOURCE.read_bytes()).hexdigest():
+                why = f"{module.__file__} was built from another kernels_module.c (SHA-256 {built_from[:12] or '?'}...)"
+            elif not callable(getattr(module, name, None)):
+                why = f"{module.__file__} has no {name}"
+            else:
+                found = getattr(module, name)
+        except ImportError as error:
+            why = f"{_INSTALLED} is not importable ({error})"
+    if found is None:
+        level = logging.INFO if why == "turned off by STATEFULSET_KERNELS" else logging.WARNING
+        logger.log(
+            level,
+            "compiled %s unavailable (%s); using its Python version (the same results, slower); to build it, %s",
+            name,
+            why,
+            _REBUILD,
+        )
+    _functions[name] = found
+    return found

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from statefulset.errors import StatefulsetError
+from statefulset.loading.compiled_read import FIRST, CompiledRead
 from statefulset.parallel.arrival import meet
 from statefulset.parallel.exchange import all_gather_floats
 from statefulset.shards import storage_stats
@@ -74,6 +75,7 @@ class Meter:
         self._unpack: Any = None  # struct's unpack_from of one such row
         self._row_bytes = 0
         self._step = 0  # how far the position moved between the last two reads that walked the tree
+        self._last: int | None = None  # the position of the last read that moved
         self._stage: int | None = None  # the stage the weights in _values are for
         self._own_key = b""  # the trainer's storage row's bytes the storage values in _values are for
         self._rows_key = b""  # and the workers' rows' bytes
@@ -83,6 +85,8 @@ class Meter:
         self._offset[_CUMULATIVE] = storage_stats.row()[_CUMULATIVE]
         self._total = numpy.zeros(storage_stats.WIDTH, dtype=numpy.float64)
         self._workers_total = numpy.zeros(storage_stats.WIDTH, dtype=numpy.float64)
+        self._compiled = CompiledRead.made()  # None: every read in Python (no usable extension; logged)
+        self._fast: tuple[Any, ...] | None = None  # what a compiled read is called with, once synced
 
     @property
     def ring(self) -> Any:
@@ -92,6 +96,8 @@ class Meter:
     @ring.setter
     def ring(self, ring: Any) -> None:
         self._ring = ring
+        if self._compiled is not None:
+            self._compiled.ring(ring)
         self._worker_rows = None if ring is None else ring.stats.numpy()
         self._rows_key = b""  # summed again at the next read
 
@@ -99,12 +105,37 @@ class Meter:
         """This rank's metrics, a new dict; ``position``: the global position below which the stream
         counts as drawn (None: no per-source values).
 
+        Read after every batch if need be: with the compiled extension, one C call
+        (:mod:`statefulset.loading.compiled_read`) serves every read but those that walk the blend
+        tree or change the dict's parts, which run in Python (:meth:`_read`) and hand it their state."""
+        delivery = self.delivery() if self.delivery is not None else None
+        fast = self._fast
+        parts = (delivery is not None) + 2 * (position is not None)
+        if fast is not None and parts == self._parts and dataset is self._dataset and storage_stats.row() is fast[3]:
+            found = fast[0](
+                fast[1], fast[2], self.wait, self.batches, self.restarts, self.stalls,
+                0 if position is None else position,
+                0 if delivery is None else delivery.next_t, 0 if delivery is None else len(delivery.ready),
+            )  # fmt: skip
+            if found is not None:  # None: a position not walked ahead
+                return found
+        compiled = self._compiled
+        if compiled is not None:
+            self._last = compiled.place()  # the reads it served moved the place: the step is from there
+        values = self._read(dataset, position, delivery)
+        if compiled is not None:
+            counted = self._keys[0] if position is not None and self._keys is not None else []
+            self._fast = compiled.synced(values, position, (self._tokens, self._offset, counted, self._ahead))
+        return values.copy()
+
+    def _read(self, dataset: Any, position: int | None, delivery: Any) -> dict[str, float]:
+        """The read in Python: the meter's dict of values, brought up to date.
+
         Read after every batch if need be, so the common case is inline and makes few calls (each
         costs more than the arithmetic here): the per-source values are one row unpacked from the
         positions walked ahead (contiguous bytes: a cache line, not a numpy row), the storage
         ones summed again only when a row's bytes changed (each path is the same computation as a
         read from scratch, tests/test_metrics_incremental.py)."""
-        delivery = self.delivery() if self.delivery is not None else None
         values = self._values
         parts = (delivery is not None) + 2 * (position is not None)
         if self._parts != parts:  # first read, or a part came or went
@@ -134,7 +165,8 @@ class Meter:
         rows = self._worker_rows
         if own.tobytes() != self._own_key or (rows is not None and rows.tobytes() != self._rows_key):
             self._storage(own, values)
-        return values.copy()
+        self._last = self._place
+        return values
 
     def _fresh(self, workers: bool, moves: bool, parts: int) -> dict[str, float]:
         """The dict of values made again, its keys in the order a read returns them (values filled by the read)."""
@@ -144,6 +176,7 @@ class Meter:
         if moves:
             values["position"] = 0.0
         self._parts, self._place, self._own_key, self._rows_key, self._stage = parts, None, b"", b"", None
+        self._last = None
         self._ahead = (0, 1, 0, b"")  # its rows are for the weights of the stage the old dict held
         return values
 
@@ -183,7 +216,8 @@ class Meter:
         steady step (a rank reads every batch, or every n-th: the same step twice), also at the next
         positions that step apart within the same stage, in one vectorised walk of the blend tree,
         kept for the reads to come (:attr:`_ahead`)."""
-        step = position - self._place if self._place is not None and position > self._place else 0
+        last = self._last  # the position of the last read that moved (whichever read served it)
+        step = position - last if last is not None and position > last else 0
         # Ahead only once the same step was seen twice: a jump (reads resumed after a pause) walks once.
         steady, self._step = step and step == self._step, step
         ahead = max(1, min(_AHEAD, _AHEAD_VALUES // len(self._keys[1]))) if steady else 1  # type: ignore[index]
@@ -212,7 +246,7 @@ class Meter:
         return rows
 
 
-_FIRST = ("data_wait_seconds", "batches", "tokens", "worker_restarts", "stall_warnings")
+_FIRST = FIRST
 
 
 def rank_metrics(meter: Meter, dataset: Any, position: int | None) -> dict[str, float]:
