@@ -89,6 +89,27 @@ def test_compiled_reads_equal_python_reads(prefixes, tmp_path, fresh, packing):
         assert len({v for r in with_c for k, v in r.items() if k.endswith("/weight")}) == 4
 
 
+def test_a_copied_loader_reads_through_its_own_compiled_read(prefixes, tmp_path, fresh):
+    """The compiled read holds addresses of its meter's arrays: a deep copy of a loader must not use the original's."""
+    import copy
+
+    spec = _specs(prefixes, tmp_path / "cache")["native"]
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    loader = get_savable_loader(get_train_dataset(spec, batch_size=BATCH, worker_config=wc))
+    for _ in range(3):
+        loader.metrics()
+    twin = copy.deepcopy(loader)
+    meter, other = loader._options["meter"], twin._options["meter"]
+    assert other._compiled is not None and other._compiled is not meter._compiled and other._fast is None
+    it, twin_it = iter(loader), iter(twin)
+    for _ in range(12):
+        next(it), next(twin_it)
+        a, b = loader.metrics(), twin.metrics()
+        a.pop("data_wait_seconds"), b.pop("data_wait_seconds")
+        assert a == b
+    assert other._fast is not None and other._fast[1] != meter._fast[1]  # its own control
+
+
 def test_a_stale_extension_falls_back_to_python_with_a_warning(fresh, tmp_path, caplog):
     other = tmp_path / "kernels_module.c"
     other.write_text("/* a kernels_module.c edited since the extension was built */\n")

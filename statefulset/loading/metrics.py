@@ -88,6 +88,16 @@ class Meter:
         self._compiled = CompiledRead.made()  # None: every read in Python (no usable extension; logged)
         self._fast: tuple[Any, ...] | None = None  # what a compiled read is called with, once synced
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The compiled read holds this process's addresses: a copy (copy.deepcopy of a loader) makes its own.
+        return {**self.__dict__, "_compiled": None, "_fast": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._compiled = CompiledRead.made()
+        if self._compiled is not None:
+            self._compiled.ring(self._ring)
+
     @property
     def ring(self) -> Any:
         """The current pass's batch ring (None without workers); setting it makes the view of its rows once."""
