@@ -9,21 +9,25 @@ number of samples); the first batch of every row is hashed and the run checks th
 Rows, each round running all of them in turn (``--rounds``, at least 3: median and spread), each
 row in a fresh process with a fresh node cache:
 
-- ``ours``: ``get_savable_loader`` on ``s3://`` with ``packing: megatron``, 0, 2 and 4 workers;
+- ``ours``: ``get_savable_loader`` on ``s3://`` with ``packing: megatron`` (the same samples as
+  megatron-core) and ``packing: native`` (its own samples: one window of the ``.bin`` each), 0, 2
+  and 4 workers (``--ours-packing``, ``--ours-workers``);
 - ``megatron-core``: ``GPTDataset`` with ``object_storage_cache_path`` (its S3 reader: the
   ``.idx`` cached locally, the ``.bin`` read in ``bin_chunk_nbytes`` chunks, one request at a time
   per process) in a ``torch.utils.data.DataLoader`` with 4, 8, 16 and 32 workers and 1 MiB and
   256 KiB chunks;
 - ``store capacity``: no loader (``store_capacity.py``): the ranged GETs our loader asks for the
-  same samples (each sample's document pieces, merged per batch as our reader merges them), from
-  1, 2 and 4 processes (as many as our loader reads from: the main process at 0 workers, else one
-  per worker), each keeping 32 in flight (our request limit per process).
+  same samples of each packing (each sample's pieces, merged per batch as our reader merges them),
+  from 1, 2 and 4 processes (as many as our loader reads from: the main process at 0 workers, else
+  one per worker), each keeping 32 in flight (our request limit per process).
 
 Reported per row: tokens/s, requests per sample (the proxy's ranged GETs over the measured window,
-against the documents a sample spans), the client's CPU per request (the row's processes, workers
-included, over the window: a figure the machine's load hardly changes), ours as a fraction of the
-store's capacity at as many processes, and ours and megatron-core's rows against megatron-core's
-best row of the same round. ``--out`` writes a run on a loaded machine elsewhere.
+which opens after a warm-up of ``--warmup`` seconds, against the documents a sample spans), the
+client's CPU per request (the row's processes, workers included, over the window: a figure the
+machine's load hardly changes), ours as a fraction of the
+store's capacity at as many processes and the same packing's requests, and ours (``packing:
+megatron`` only: the same samples) and megatron-core's rows against megatron-core's best row of the
+same round. ``--out`` writes a run on a loaded machine elsewhere.
 
     S3RVER_BIN=/path/to/node_modules/.bin/s3rver python benchmarks/bench_object_storage.py   # full size
     python benchmarks/bench_object_storage.py --docs 60000 --samples 20000 --seconds 4 --megatron-workers 4 8 16
@@ -88,12 +92,15 @@ def _digest(tokens) -> str:
     return hashlib.sha256(numpy.ascontiguousarray(tokens.numpy().astype(numpy.int64)).tobytes()).hexdigest()[:16]
 
 
-def _measure(batches, seconds: float, digest, counters=None) -> dict:
-    """tokens/s and ranged GETs per sample over a window after the first batch (read-ahead excluded);
-    ``counters``: the loader's own (requests, batches built), counted over the same window."""
-    start = time.perf_counter()
+def _measure(batches, seconds: float, digest, counters=None, warmup: float = 0.0) -> dict:
+    """tokens/s and ranged GETs per sample over a window that opens ``warmup`` seconds after the first
+    batch (the loader's pipeline then full: workers started, read-ahead and prefetch in flight, so the
+    requests of batches made ready before the window and of batches still in flight at its end
+    balance); ``counters``: the loader's own (requests, batches built), counted over the same window."""
     first = digest(next(batches))
-    first_s = time.perf_counter() - start
+    first_at = time.perf_counter()
+    while time.perf_counter() - first_at < warmup:
+        next(batches)
     before, cpu, own = _proxy_stats(), tree_cpu(), counters() if counters else None
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -101,7 +108,7 @@ def _measure(batches, seconds: float, digest, counters=None) -> dict:
         count += 1
     elapsed, cpu = time.perf_counter() - start, tree_cpu() - cpu
     ranged = _proxy_stats()["ranged"] - before["ranged"]
-    out = {"first_batch_s": first_s, "batches": count, "seconds": elapsed, "tokens_per_s": count * B * S / elapsed,
+    out = {"first_batch_at": first_at, "batches": count, "seconds": elapsed, "tokens_per_s": count * B * S / elapsed,
            "requests_per_sample": ranged / max(1, count * B), "digest": first,
            "client_cpu_ms_per_request": cpu * 1e3 / max(1, ranged)}  # fmt: skip
     if own is not None:  # the requests per sample the loader's processes sent for the samples they built
@@ -113,8 +120,7 @@ def _measure(batches, seconds: float, digest, counters=None) -> dict:
 def run_ours(job: dict) -> dict:
     from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 
-    spec = {"data_path": job["prefix"], "seq_length": S, "split": "100,0,0", "packing": "megatron", "seed": 3,
-            "num_samples": job["num_samples"]}  # fmt: skip
+    spec = our_spec(job["prefix"], job["packing"], job["num_samples"])
     start = time.perf_counter()
     wc = WorkerConfig(rank=0, world_size=1, num_workers=job["workers"])
     loader = get_savable_loader(get_train_dataset(spec, batch_size=B, worker_config=wc), prefetch_factor=4)
@@ -123,9 +129,17 @@ def run_ours(job: dict) -> dict:
         found = loader.metrics()
         return found["storage/requests"], found["read_ahead/batches"]
 
-    result = _measure(iter(loader), job["seconds"], lambda batch: _digest(batch["text"]), counters)
-    result["open_and_first_batch_s"] = time.perf_counter() - start - result["seconds"]
+    result = _measure(iter(loader), job["seconds"], lambda batch: _digest(batch["text"]), counters, job["warmup"])
+    result["open_and_first_batch_s"] = result.pop("first_batch_at") - start
     return result
+
+
+def our_spec(prefix: str, packing: str, num_samples: int) -> dict:
+    """Our loader's spec: GPTDataset's samples with ``packing: megatron``, native's own without."""
+    spec = {"data_path": prefix, "seq_length": S, "split": "100,0,0", "packing": packing, "seed": 3}
+    if packing == "megatron":
+        spec["num_samples"] = num_samples
+    return spec
 
 
 def megatron_dataset(prefix: str, num_samples: int, cache: str, idx_cache: str | None, chunk: int = 1 << 20):
@@ -157,17 +171,25 @@ def run_megatron(job: dict) -> dict:
     def digest(batch) -> str:
         return _digest(torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1))
 
-    result = _measure(iter(loader), job["seconds"], digest)
-    result["open_and_first_batch_s"] = time.perf_counter() - start - result["seconds"]
+    result = _measure(iter(loader), job["seconds"], digest, warmup=job["warmup"])
+    result["open_and_first_batch_s"] = result.pop("first_batch_at") - start
     return result
 
 
 def run_pieces(job: dict) -> dict:
-    """The requests of the store-capacity loop, from megatron-core's indices over the local shard."""
-    from store_capacity import batch_requests, sample_pieces
+    """The requests of the store-capacity loop for one packing: megatron's from megatron-core's indices
+    over the local shard, native's from our stream's own account of each sample (``explain``)."""
+    from store_capacity import batch_requests, explained_pieces, sample_pieces
 
-    dataset = megatron_dataset(job["prefix"], job["num_samples"], job["cache"], None)
-    pieces = sample_pieces(dataset, min(PIECE_SAMPLES, job["num_samples"]))
+    count = min(PIECE_SAMPLES, job["num_samples"])
+    if job["packing"] == "megatron":
+        dataset = megatron_dataset(job["prefix"], job["num_samples"], job["cache"], None)
+        pieces = sample_pieces(dataset, count)
+    else:
+        from statefulset import open_stream
+
+        spec = {**our_spec(job["prefix"], job["packing"], job["num_samples"]), "path_to_cache": job["cache"] + "-ours"}
+        pieces = explained_pieces(open_stream(spec), count)
     batches = batch_requests(pieces, B)
     with open(job["out"], "w") as f:
         json.dump(batches, f)
@@ -221,14 +243,16 @@ def _capacity(job: dict, batches_file: str) -> dict:
 def plan(url: str, args: argparse.Namespace) -> list[dict]:
     """The rows of one round."""
     processes = sorted({max(1, w) for w in args.ours_workers})
-    rows = [{"name": f"store capacity: {p} process{'es' if p > 1 else ''} x {INFLIGHT} GETs in flight",
-             "kind": "capacity", "processes": p} for p in processes]  # fmt: skip
-    rows += [{"name": f"ours, packing: megatron, {w} workers", "kind": "ours", "workers": w, "processes": max(1, w)}
-             for w in args.ours_workers]  # fmt: skip
-    rows += [{"name": f"megatron-core, chunk {_size(c)}, {w} workers", "kind": "megatron", "workers": w, "chunk": c}
-             for c in args.chunks for w in args.megatron_workers]  # fmt: skip
+    rows = []
+    for packing in args.ours_packing:
+        rows += [{"name": f"store capacity, {packing} ranges: {p} process{'es' if p > 1 else ''} x {INFLIGHT} GETs "
+                  "in flight", "kind": "capacity", "packing": packing, "processes": p} for p in processes]  # fmt: skip
+        rows += [{"name": f"ours, packing: {packing}, {w} workers", "kind": "ours", "packing": packing, "workers": w,
+                  "processes": max(1, w)} for w in args.ours_workers]  # fmt: skip
+    rows += [{"name": f"megatron-core, chunk {_size(c)}, {w} workers", "kind": "megatron", "packing": "megatron",
+              "workers": w, "chunk": c} for c in args.chunks for w in args.megatron_workers]  # fmt: skip
     for row in rows:
-        row.update(prefix=url, num_samples=args.samples, seconds=args.seconds)
+        row.update(prefix=url, num_samples=args.samples, seconds=args.seconds, warmup=args.warmup)
     return rows
 
 
@@ -236,7 +260,7 @@ def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-def _round(rows: list[dict], scratch: str, p, env: dict, batches_file: str, r: int) -> dict[str, dict]:
+def _round(rows: list[dict], scratch: str, p, env: dict, batches_files: dict[str, str], r: int) -> dict[str, dict]:
     """Every row once, each in fresh processes with a fresh node cache."""
     measured = {}
     for i, row in enumerate(rows):
@@ -247,7 +271,7 @@ def _round(rows: list[dict], scratch: str, p, env: dict, batches_file: str, r: i
         p.reset()
         p.set(latency=LATENCY)
         try:
-            result = _capacity(job, batches_file) if row["kind"] == "capacity" else _child(job)
+            result = _capacity(job, batches_files[row["packing"]]) if row["kind"] == "capacity" else _child(job)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             result = {"error": str(exc)[-2000:]}
         measured[row["name"]] = result
@@ -261,13 +285,21 @@ def _round(rows: list[dict], scratch: str, p, env: dict, batches_file: str, r: i
     return measured
 
 
+def _capacity_row(rows: list[dict], row: dict) -> str | None:
+    """The store-capacity row that ``row`` is set against: the same packing's requests, as many processes."""
+    return next((c["name"] for c in rows if c["kind"] == "capacity" and c["packing"] == row["packing"]
+                 and c["processes"] == row.get("processes")), None)  # fmt: skip
+
+
 def combine(rows: list[dict], rounds: list[dict[str, dict]]) -> dict:
-    """Median and spread per row; per-round ratios to megatron-core's best and to the store's capacity."""
+    """Median and spread per row; per-round ratios to megatron-core's best (megatron's samples only) and
+    to the store's capacity (same packing, same processes)."""
     out = {}
+    megatron_rows = [r["name"] for r in rows if r["kind"] == "megatron"]
     for row in rows:
         runs = [rd[row["name"]] for rd in rounds]
         ok = [x for x in runs if "tokens_per_s" in x]
-        entry = {k: row[k] for k in ("kind", "workers", "chunk", "processes") if k in row}
+        entry = {k: row[k] for k in ("kind", "packing", "workers", "chunk", "processes") if k in row}
         entry["finished"] = f"{len(ok)}/{len(runs)}"
         entry["errors"] = [x["error"] for x in runs if "error" in x]
         for key in KEYS:
@@ -275,15 +307,14 @@ def combine(rows: list[dict], rounds: list[dict[str, dict]]) -> dict:
                 entry[key] = summary([x[key] for x in ok])
         entry["digests"] = sorted({x["digest"] for x in ok if "digest" in x})
         to_best, of_capacity = [], []
+        capacity = _capacity_row(rows, row) if row["kind"] == "ours" else None
         for rd in rounds:
             mine = rd[row["name"]].get("tokens_per_s")
-            best = max((v["tokens_per_s"] for k, v in rd.items() if k.startswith("megatron") and "tokens_per_s" in v),
-                       default=None)  # fmt: skip
-            if mine and best and row["kind"] != "capacity":
+            best = max((rd[k]["tokens_per_s"] for k in megatron_rows if "tokens_per_s" in rd[k]), default=None)
+            if mine and best and row["kind"] != "capacity" and row["packing"] == "megatron":
                 to_best.append(mine / best)
-            cap = next((v.get("tokens_per_s") for k, v in rd.items() if k.startswith("store capacity")
-                        and k.split(": ")[1].split(" ")[0] == str(row.get("processes"))), None)  # fmt: skip
-            if mine and cap and row["kind"] == "ours":
+            cap = rd[capacity].get("tokens_per_s") if capacity else None
+            if mine and cap:
                 of_capacity.append(mine / cap)
         if to_best:
             entry["to_megatron_best"] = summary(to_best)
@@ -302,13 +333,21 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="measured window of each row")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ours-workers", type=int, nargs="+", default=[0, 2, 4])
+    parser.add_argument(
+        "--ours-packing",
+        nargs="+",
+        choices=["megatron", "native"],
+        default=["megatron", "native"],
+        help="megatron: the same samples as megatron-core; native: its own, one window each",
+    )
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds after the first batch before the window")
     parser.add_argument("--megatron-workers", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--chunks", type=int, nargs="+", default=[1 << 20, 256 << 10], help="megatron-core's bytes")
     parser.add_argument("--quick", action="store_true", help="smoke size: 20,000 documents, 3 s, fewer rows")
     parser.add_argument("--out", help="results file (default benchmarks/results/object_storage.json)")
     args = parser.parse_args()
     if args.quick:
-        args.docs, args.samples, args.seconds = 20_000, 4_000, 3.0
+        args.docs, args.samples, args.seconds, args.warmup = 20_000, 4_000, 3.0, 1.0
         args.ours_workers, args.megatron_workers, args.chunks = [0, 2], [4], [1 << 20]
     if args.rounds < 3:
         parser.error("--rounds: a figure needs at least 3")
@@ -317,15 +356,19 @@ def main() -> None:
     name = os.path.basename(prefix)
     with tempfile.TemporaryDirectory() as scratch, s3rver_server(os.path.join(scratch, "s3")) as server:
         upload(server, BUCKET, {f"{name}.{e}": f"{prefix}.{e}" for e in ("bin", "idx")})
-        batches_file = os.path.join(scratch, "requests.json")
-        mix = _child({"name": "pieces", "kind": "pieces", "prefix": prefix, "num_samples": args.samples,
-                      "cache": os.path.join(scratch, "local-indices"), "out": batches_file, "seconds": 60})  # fmt: skip
+        batches_files = {packing: os.path.join(scratch, f"requests-{packing}.json") for packing in args.ours_packing}
+        mix = {}
+        for packing in args.ours_packing:
+            job = {"name": f"pieces ({packing})", "kind": "pieces", "packing": packing, "prefix": prefix,
+                   "num_samples": args.samples, "cache": os.path.join(scratch, "local-indices"),
+                   "out": batches_files[packing], "seconds": 60}  # fmt: skip
+            mix[packing] = _child(job)
         with proxy(server) as p:
             env = {**server.env(), "AWS_ENDPOINT_URL": p.endpoint}
             rows = plan(f"s3://{BUCKET}/{name}", args)
             rounds = []
             for r in range(args.rounds):  # the file is written after each round: a run cut short keeps its rounds
-                rounds.append(_round(rows, scratch, p, env, batches_file, r))
+                rounds.append(_round(rows, scratch, p, env, batches_files, r))
                 report = _report(args, prefix, mix, rows, rounds, started)
                 write_results("object_storage", report, EXTRA, args.out, quick=args.quick)
     print(markdown(report))
@@ -333,11 +376,16 @@ def main() -> None:
 
 def _report(args: argparse.Namespace, prefix: str, mix: dict, rows: list[dict], rounds: list[dict], started: float):
     results = combine(rows, rounds)
-    digests = {d for k, v in results.items() if v["kind"] != "capacity" for d in v["digests"]}
+    same = {}  # per packing: one first batch on every loader row (megatron's: megatron-core's rows too)
+    for packing in args.ours_packing:
+        digests = {d for v in results.values() if v["kind"] != "capacity" and v["packing"] == packing
+                   for d in v["digests"]}  # fmt: skip
+        same[packing] = len(digests) == 1
     return {
-        "latency_s": LATENCY, "seconds": args.seconds, "rounds": args.rounds, "docs": args.docs,
-        "tokens": int(os.path.getsize(prefix + ".bin") // 2), "num_samples": args.samples, "batch": B, "seq": S,
-        "inflight_per_process": INFLIGHT, **mix, "same_first_batch": len(digests) == 1,
+        "latency_s": LATENCY, "seconds": args.seconds, "warmup_s": args.warmup, "rounds": args.rounds,
+        "docs": args.docs, "tokens": int(os.path.getsize(prefix + ".bin") // 2), "num_samples": args.samples,
+        "batch": B, "seq": S, "inflight_per_process": INFLIGHT, **mix.get("megatron", {}), "packings": mix,
+        "same_first_batch": all(same.values()), "same_first_batch_by_packing": same,
         "rounds_done": len(rounds), "wall_s": round(time.time() - started, 1), "results": results,
     }  # fmt: skip
 

@@ -230,7 +230,7 @@ def child_build(job: dict[str, Any]) -> dict[str, Any]:
         from statefulset.streams import opening as stream_module
 
         phases.wrap(stream_module, "IndexedDataset", "open_shard")
-        phases.wrap(stream_module, "shard_digest", "shard_digest")
+        phases.wrap(stream_module, "identify", "shard_digest")  # the .idx digest and a .bin sample
         phases.wrap(sampling, "build_document_index", "document_index")
         phases.wrap(sampling, "build_sample_index", "sample_index")
         phases.wrap(sampling, "build_shuffle_index", "shuffle_index")
@@ -272,7 +272,7 @@ def child_native(job: dict[str, Any]) -> dict[str, Any]:
     phases = _Phases()
     phases.wrap(stream_module, "load_spec", "read_spec")
     phases.wrap(stream_module, "IndexedDataset", "open_shard")
-    phases.wrap(stream_module, "shard_digest", "shard_digest")
+    phases.wrap(stream_module, "identify", "shard_digest")  # the .idx digest and a .bin sample
     phases.wrap(numpy, "unique", "numpy_unique")  # native.py's first numpy.unique imports numpy.ma
     phases.wrap(native.KeyedPermutation, "__call__", "permutation")
     phases.wrap(IndexedDataset, "gather", "copy_tokens")

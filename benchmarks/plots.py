@@ -181,7 +181,7 @@ def _finite(comparisons: list[Comparison]) -> list[Comparison]:
 # -- one function per script: its summary -> comparisons ------------------------------------------
 def write_comparisons(summary: dict[str, Any]) -> list[Comparison]:
     """bench_write.py: writing the corpus, megatron-core's builder against our writers."""
-    s = {k: _median(v["seconds"]) for k, v in summary.items()}
+    s = {k: _median(v["seconds"]) for k, v in summary.items() if isinstance(v, dict) and "seconds" in v}
     out = []
     if "megatron_fsync" in s and "ours_vectorised" in s:
         out.append(Comparison("add_documents + close\nvs builder + fsync", s["megatron_fsync"], s["ours_vectorised"]))
@@ -286,7 +286,8 @@ def preprocess_comparisons(summary: list[dict[str, Any]]) -> list[Comparison]:
 
 # -- from a script's full result to its JSON and chart --------------------------------------------
 def _write(result: dict[str, Any]) -> tuple[Any, list[Comparison], str, str]:
-    summary = result["summary"]
+    # The byte-identity checks of every round go into the committed summary (report_tables shows them).
+    summary = {**result["summary"], "byte_identical": result.get("byte_identical", {})}
     docs, tokens = result.get("docs"), result.get("tokens")
     size = f" {docs:,} documents, {tokens / 1e6:,.0f}M tokens" if docs and tokens else ""
     return summary, write_comparisons(summary), f"Writing a shard ({size.strip()})", "megatron-core"

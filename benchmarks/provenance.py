@@ -94,14 +94,47 @@ def git() -> dict[str, Any]:
     return {"commit": run("rev-parse", "HEAD") or "unknown", "dirty": bool(code), "dirty_files": changed[:20]}
 
 
+def speed_probe(rounds: int = 5) -> dict[str, float]:
+    """How fast this machine was at the moment of the stamp: a fixed pure-Python loop (ms) and a
+    64 MiB memory copy (GB/s), medians of ``rounds``. The same VM has run ~2x slower on one day than
+    on another (every row alike), so two runs' absolute figures compare only next to their probes;
+    ratios within one run do not need them."""
+    import time
+
+    import numpy
+
+    def loop() -> float:
+        t = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i & 7
+        return (time.perf_counter() - t) * 1e3
+
+    src = numpy.ones(2**23, dtype=numpy.float64)  # 64 MiB
+    dst = numpy.empty_like(src)
+
+    def copy() -> float:
+        t = time.perf_counter()
+        numpy.copyto(dst, src)
+        return src.nbytes / (time.perf_counter() - t) / 1e9
+
+    copy()  # the first copy faults the destination's pages in
+    return {
+        "python_loop_ms": round(statistics.median(loop() for _ in range(rounds)), 1),
+        "copy_gb_per_s": round(statistics.median(copy() for _ in range(rounds)), 1),
+    }
+
+
 def provenance(extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """What a reader needs to trust a figure: code, date, machine, versions and the load at the time."""
+    """What a reader needs to trust a figure: code, date, machine, versions, the load and the
+    machine's speed at the time."""
     return {
         "git": git(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "versions": versions(extra),
         "load_average": [round(x, 2) for x in os.getloadavg()],
+        "speed_probe": speed_probe(),
     }
 
 
@@ -193,10 +226,16 @@ def machine_line(record: dict[str, Any]) -> str:
     m, v, g = prov["machine"], prov["versions"], prov["git"]
     dirty = " plus uncommitted changes" if g.get("dirty") else ""
     packages = ", ".join(f"{k} {val}" for k, val in v.items() if k != "python")
+    probe = prov.get("speed_probe")
+    speed = (
+        f"; speed probe {probe['python_loop_ms']} ms a fixed Python loop, {probe['copy_gb_per_s']} GB/s memory copy"
+        if probe
+        else ""
+    )
     return (
         f"Machine: {m['cores']} cores {m['cpu']}, {m['memory_gib']} GiB RAM, Linux {m['kernel']}. "
         f"Python {v['python']}, {packages}. Code: commit `{g['commit'][:7]}`{dirty}; run {prov['date'][:10]}, "
-        f"load average {prov['load_average'][0]}."
+        f"load average {prov['load_average'][0]}{speed}."
     )
 
 

@@ -1,8 +1,10 @@
 """What the store itself serves at our loader's request mix: a helper of ``bench_object_storage.py``.
 
-The ranged GETs are the ones ``packing: megatron`` needs for GPTDataset's samples 0..n in order:
-each sample's document pieces (from megatron-core's own sample, document and shuffle indices over
-the same shard), merged per batch of ``B`` samples as our loader merges them
+The ranged GETs are the ones our loader needs for its samples 0..n in order: with ``packing:
+megatron``, GPTDataset's, each sample's document pieces (from megatron-core's own sample, document
+and shuffle indices over the same shard); with ``packing: native``, each sample's window of the
+``.bin`` (the pieces our stream's ``explain`` names, which touch); merged per batch of ``B``
+samples as our loader merges them
 (:func:`statefulset.shards.remote.coalesce`). ``processes`` processes each issue the requests of
 every ``processes``-th batch, keeping ``inflight`` GETs in flight (our default request limit per
 process, ``STATEFULSET_STORAGE_MAX_REQUESTS``), through obstore as our loader does, for ``seconds``
@@ -37,6 +39,17 @@ def sample_pieces(dataset, count: int) -> list[list[tuple[int, int]]]:
             stop = int(end_off) + extra if k == end else int(lengths[doc])
             pieces.append((int(pointers[doc]) + start * itemsize, (stop - start) * itemsize))
         out.append(pieces)
+    return out
+
+
+def explained_pieces(stream, count: int) -> list[list[tuple[int, int]]]:
+    """``(byte offset, byte size)`` of the pieces of samples ``0..count-1`` of one of our streams, as
+    ``stream.explain`` names them (a native sample's pieces are one window: they touch, and merge)."""
+    itemsize = {d.path_prefix: numpy.dtype(d.dtype).itemsize for d in stream.shards}
+    out = []
+    for p in range(count):
+        found = stream.explain(p)
+        out.append([(pc.bin_offset * itemsize[pc.prefix], pc.tokens * itemsize[pc.prefix]) for pc in found.pieces])
     return out
 
 

@@ -156,7 +156,8 @@ CC = Setting("CC", "cc", _text, "a compiler command", "The C compiler used when 
 S3_CLIENT = Setting(
     "STATEFULSET_S3_CLIENT", "auto", _choice("auto", "obstore", "s3fs"), "auto, obstore or s3fs",
     "Which client makes ranged reads of s3:// shards: obstore where installed and the storage options allow, "
-    "or s3fs.",
+    "or s3fs. auto falls back to s3fs with a WARNING; obstore makes options it cannot honour, or obstore "
+    "missing, an error at open.",
 )  # fmt: skip
 STORAGE_RETRIES = Setting(
     "STATEFULSET_STORAGE_RETRIES", 6, _non_negative_int, "a whole number >= 0",

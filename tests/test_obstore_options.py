@@ -8,10 +8,12 @@ cannot honour keeps the reads on s3fs, which honours it, instead of being droppe
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 from s3_servers import moto_server, proxy, upload
 
+from statefulset.errors import StatefulsetError
 from statefulset.shards import obstore_client
 from statefulset.shards.remote import RemoteFile
 
@@ -73,3 +75,18 @@ def test_obstore_reads_go_through_the_proxy_config_kwargs_name(tmp_path, monkeyp
         # The reads went through the proxy (0 before the fix). One GET or two: a process whose
         # requests were throttled earlier (the limiter is per process) coalesces wider.
         assert p.stats()["ranged"] >= 1
+
+
+def test_obstore_asked_for_but_unusable_is_an_error_naming_the_url_and_the_cause(monkeypatch):
+    """STATEFULSET_S3_CLIENT=obstore is a request, not a preference: options obstore cannot honour, or
+    obstore missing, raise at open instead of falling back to s3fs (before: a WARNING and s3fs reads)."""
+    monkeypatch.setenv("STATEFULSET_S3_CLIENT", "obstore")
+    with pytest.raises(StatefulsetError, match=r"s3://b/k\.bin: STATEFULSET_S3_CLIENT=obstore.*requester_pays"):
+        obstore_client.wanted("s3://b/k.bin", {"requester_pays": True})
+    with pytest.raises(StatefulsetError, match=r"s3://b/k\.bin: .*requester_pays"):
+        RemoteFile("s3://b/k.bin", {"requester_pays": True})  # where a dataset's open meets it
+    monkeypatch.setitem(sys.modules, "obstore", None)  # obstore not installed: its import fails
+    with pytest.raises(StatefulsetError, match=r"s3://b/k\.bin: STATEFULSET_S3_CLIENT=obstore, but obstore cannot be imp"):
+        obstore_client.wanted("s3://b/k.bin", {})
+    monkeypatch.setenv("STATEFULSET_S3_CLIENT", "auto")  # the default still falls back, with its WARNING
+    assert not obstore_client.wanted("s3://b/k.bin", {})

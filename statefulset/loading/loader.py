@@ -14,28 +14,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import msgpack
-import torch.distributed as dist
-
 from statefulset.errors import StatefulsetError, check_int
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.delivery import Delivery
 from statefulset.loading.encoder_state import check_encoder, with_encoder
 from statefulset.loading.metrics import Meter, log_metrics, rank_metrics
 from statefulset.loading.metrics import across_ranks as gather_waits
-from statefulset.loading.state import (
-    Cursor,
-    fit_global_state,
-    fit_global_states,
-    fit_rank_state,
-    make_state,
-)
-from statefulset.loading.state import decode as decode_state
-from statefulset.loading.state import encode as encode_state
+from statefulset.loading.state import Cursor, fit_global_state, fit_rank_state, make_state
+from statefulset.loading.state_exchange import check_source, gather_states, in_group, receive_cursor
 from statefulset.loading.watchdog import STALL_SECONDS, Watchdog
 from statefulset.loading.worker_config import WorkerConfig
-from statefulset.parallel.arrival import DEFAULT_TIMEOUT, check_timeout, meet
-from statefulset.parallel.exchange import gather_bytes, scatter_bytes
+from statefulset.parallel.arrival import DEFAULT_TIMEOUT, check_timeout
 
 _log = logging.getLogger("statefulset")
 
@@ -232,43 +221,10 @@ class SavableLoader:
         base = check_int("consumed_samples", consumed_samples, 0, "restore_consumed_samples", high=2**62 - 1)
         self._restore(self.dataset.layout(base=base))
 
-    # -- global state ---------------------------------------------------------------------------
-    def _group_size(self) -> int:
-        return self.worker_config.world_size
-
-    def _distributed(self) -> bool:
-        if self._group_size() == 1:
-            return False
-        if not (dist.is_available() and dist.is_initialized()):
-            raise StatefulsetError(
-                f"WorkerConfig says world_size {self._group_size()} but torch.distributed is not initialised"
-            )
-        group = self.worker_config.data_parallel_group
-        if dist.get_world_size(group) != self._group_size() or dist.get_rank(group) != self.worker_config.rank:
-            raise StatefulsetError(
-                f"WorkerConfig rank {self.worker_config.rank} of {self._group_size()} does not match the "
-                f"data_parallel_group (rank {dist.get_rank(group)} of {dist.get_world_size(group)})"
-            )
-        return True
-
+    # -- global state (the collectives: statefulset.loading.state_exchange) ----------------------
     def save_state_global(self, global_dst_rank: int = 0) -> list[dict[str, Any]] | None:
         """Collective over the DP group: the list of every DP rank's state on ``global_dst_rank``, None elsewhere."""
-        state = self.save_state_rank()
-        if not self._distributed():
-            return [state]
-        group = self.worker_config.data_parallel_group
-        try:
-            if group is None and not 0 <= global_dst_rank < dist.get_world_size():
-                raise ValueError(global_dst_rank)  # torch only notices inside gloo, killing the ranks
-            dist.get_group_rank(group if group is not None else dist.group.WORLD, global_dst_rank)
-        except (ValueError, RuntimeError):
-            raise StatefulsetError(
-                f"save_state_global: global rank {global_dst_rank} is not in this rank's data_parallel_group"
-            ) from None
-        meet("save_state_global", group, self.collective_timeout, f"global_dst_rank={global_dst_rank}")
-        # Fixed slots (statefulset.parallel.exchange): O(W) bytes, no all-gather of sizes.
-        gathered = gather_bytes(encode_state(state), global_dst_rank, group, what="save_state_global")
-        return [decode_state(data) for data in gathered] if gathered is not None else None
+        return gather_states(self.save_state_rank(), self.worker_config, global_dst_rank, self.collective_timeout)
 
     def restore_state_global(self, state: list[dict[str, Any]] | None, src_rank: int | None = None) -> None:
         """Restore from every DP rank's states, also into another DP size, batch size or worker count.
@@ -279,16 +235,11 @@ class SavableLoader:
         """
         wc = self.worker_config
         if src_rank is not None:
-            if not 0 <= src_rank < wc.world_size:
-                raise StatefulsetError(
-                    f"restore_state_global: src_rank {src_rank} is outside the DP group of {wc.world_size}"
+            check_source(state, wc, src_rank)
+            if in_group(wc):
+                self._restore(
+                    receive_cursor(state, src_rank, self.dataset, self.collective_timeout, self.check_task_encoder)
                 )
-            if wc.rank != src_rank and state is not None:
-                raise StatefulsetError(
-                    f"restore_state_global: DP rank {wc.rank} passed a state but src_rank is {src_rank}; pass None"
-                )
-            if self._distributed():
-                self._restore(self._receive_cursor(state, src_rank))
                 return
         if state is None:
             raise StatefulsetError(f"restore_state_global: DP rank {wc.rank} received no state")
@@ -305,45 +256,6 @@ class SavableLoader:
                 stream.legacy_data,
             )
         )
-
-    def _receive_cursor(self, states: list[dict[str, Any]] | None, src_rank: int) -> Cursor:
-        """DP rank ``src_rank`` checks the list once and sends each rank only its own cursor.
-
-        One scatter of fixed slots: each rank receives ~100 bytes, whatever the DP size (a
-        broadcast of the list would send every rank every state). A check that fails at the
-        source is sent to every rank, so all of them raise the same error.
-        """
-        wc = self.worker_config
-        group = wc.data_parallel_group
-        source = dist.get_global_rank(group, src_rank) if group is not None else src_rank
-        meet("restore_state_global", group, self.collective_timeout, f"src_rank={src_rank}")
-        stream = self.dataset.stream
-        items, error = None, None
-        if wc.rank == src_rank:
-            try:
-                self.check_task_encoder(states, "global state")
-                cursors = fit_global_states(
-                    states, stream.identity, wc.world_size, self.dataset.batch_size,
-                    stream.source_prefixes, stream.legacy_data,
-                )  # fmt: skip
-                items = [
-                    msgpack.packb({"fingerprint": stream.fingerprint, "base": c.base, "batches": c.batches})
-                    for c in cursors
-                ]
-            except StatefulsetError as exc:
-                error = str(exc)  # every rank raises it (the exchange fits it to its slot)
-        # Every rank takes part in the scatter whatever happened here, so none waits in it alone.
-        got = msgpack.unpackb(
-            scatter_bytes(
-                items, source, group, error, f"DP rank {src_rank}, which checked it", what="restore_state_global"
-            )
-        )
-        if got["fingerprint"] != stream.fingerprint:
-            raise StatefulsetError(
-                f"restore_state_global: DP rank {wc.rank} opened other data than DP rank {src_rank} "
-                "(their stream fingerprints differ): every rank must load the same spec"
-            )
-        return Cursor(got["base"], got["batches"], wc.rank, wc.world_size, self.dataset.batch_size)
 
     # -- torch.distributed.checkpoint (Stateful) ------------------------------------------------
     def _key(self) -> str:

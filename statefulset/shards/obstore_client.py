@@ -26,7 +26,9 @@ read and go through s3fs, so that opening a dataset does not put its workers on 
 Every fallback to s3fs that the user did not ask for (``STATEFULSET_S3_CLIENT=s3fs`` asks) logs one
 WARNING per process and reason, naming why, what it costs and what to do: a process forked after
 its parent started obstore's runtime (in each such worker), ``storage_options`` obstore cannot honour,
-obstore not installed (in the process that opens the dataset).
+obstore not installed (in the process that opens the dataset). ``STATEFULSET_S3_CLIENT=obstore``
+makes the last two an error at open instead (the user asked for obstore; nothing falls back
+silently); a forked worker cannot be known at open, so that case keeps its WARNING.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from statefulset import settings
+from statefulset.errors import StatefulsetError
 
 log = logging.getLogger("statefulset")
 
@@ -90,12 +93,20 @@ def started_here() -> bool:
 
 def wanted(url: str, storage_options: dict[str, Any] | None) -> bool:
     """True when ``url``'s ranged reads should go through obstore; a WARNING (once per process) when
-    they fall back to s3fs for a reason other than ``STATEFULSET_S3_CLIENT=s3fs``."""
-    if settings.S3_CLIENT.get() == "s3fs":
+    they fall back to s3fs for a reason other than ``STATEFULSET_S3_CLIENT=s3fs``. With
+    ``STATEFULSET_S3_CLIENT=obstore`` there is no fallback: options obstore cannot honour, or obstore
+    missing, raise ``StatefulsetError`` naming the URL and the cause."""
+    choice = settings.S3_CLIENT.get()
+    if choice == "s3fs":
         return False
     if not url.startswith(("s3://", "s3a://")):
         return False
     unmappable = unhonoured(storage_options or {})
+    if unmappable and choice == "obstore":
+        raise StatefulsetError(
+            f"{url}: STATEFULSET_S3_CLIENT=obstore, but obstore cannot honour storage_options {unmappable}: "
+            "drop those options, or set STATEFULSET_S3_CLIENT=auto (reads through s3fs, with a WARNING) or s3fs"
+        )
     if unmappable:
         _warn_once(
             "options " + unmappable,
@@ -110,6 +121,11 @@ def wanted(url: str, storage_options: dict[str, Any] | None) -> bool:
     try:
         import obstore  # noqa: F401
     except ImportError as exc:
+        if choice == "obstore":
+            raise StatefulsetError(
+                f"{url}: STATEFULSET_S3_CLIENT=obstore, but obstore cannot be imported ({exc}): "
+                "pip install 'statefulset[s3]' (or obstore), or set STATEFULSET_S3_CLIENT=auto or s3fs"
+            ) from exc
         _warn_once(
             "import",
             "statefulset: %s: obstore cannot be imported (%s), so s3:// ranges are read through s3fs, slower: %s. "

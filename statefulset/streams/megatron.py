@@ -160,59 +160,69 @@ class MegatronStream(SampleStream):
 
 def open_megatron(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> MegatronStream:
     """GPTDataset indices of each source (built, or loaded from the content-keyed cache), blended as megatron-core."""
-    live, weighted, per_split, num_samples = opened.live, opened.weighted, opened.per_split, opened.num_samples
-    datasets, ranges, digests = opened.datasets, opened.ranges, opened.digests
-    data_key = spec.data_key(split)
     cache = IndexCache(opened.cache_root)
-
-    def gpt(i: int, samples: int | None) -> tuple[GPTSource, dict[str, Any]]:
-        ds, (lo, hi) = datasets[i], ranges[i]
-        begin, end = ds.token_span(lo, hi)
-        warn_if_sample_exceeds_split(ds.path_prefix, split, end - begin, spec.seq_length, EXTRA)
-        description = {
-            "kind": "GPTDataset",
-            "megatron_core": "0.16",
-            "content_digest": digests[i],
-            "sequences": [lo, hi],
-            "seed": spec.seed,
-            "seq_length": spec.seq_length,
-            "num_samples": samples,
-            "extra_token": EXTRA,
-            "drop_last_partial": True,
-        }
-
-        def build() -> dict[str, numpy.ndarray]:
-            with spec.blame(data_key):
-                indices = build_gpt_indices(
-                    ds.sequence_lengths,
-                    numpy.arange(lo, hi, dtype=numpy.int32),
-                    spec.seq_length,
-                    spec.seed,
-                    samples,
-                    where=ds.path_prefix,
-                )
-            return {
-                "document_index": indices.document_index,
-                "sample_index": indices.sample_index,
-                "shuffle_index": indices.shuffle_index,
-            }
-
-        try:
-            with spec.blame("path_to_cache"):
-                arrays = cache.get_or_build("GPTDataset", description, build)
-        except (MemoryError, ValueError, OverflowError) as exc:  # numpy's refusals of a huge index
-            raise spec.error(
-                num_samples_key, f"cannot build the {split} index of {ds.path_prefix} for {samples} samples: {exc}"
-            ) from exc
-        return GPTSource(ds, arrays, spec.seq_length, (lo, hi), samples), description
-
-    num_samples_key = spec.num_samples_key(split)
-    if len(live) == 1 and (not weighted or per_split):
+    if len(opened.live) == 1 and (not opened.weighted or opened.per_split):
         # megatron-core builds a lone GPTDataset here, with no surplus and no blend.
-        stream = MegatronStream(spec, split, identity, [gpt(0, num_samples)[0]], None)
+        source, _ = _gpt_source(spec, split, opened, cache, 0, opened.num_samples)
+        stream = MegatronStream(spec, split, identity, [source], None)
         if len(stream) == 0 and split == "train":
             raise _no_sample(spec)
         return stream
+    return _open_blend(spec, split, identity, opened, cache)
+
+
+def _gpt_source(
+    spec: DatasetSpec, split: str, opened: OpenedSources, cache: IndexCache, i: int, samples: int | None
+) -> tuple[GPTSource, dict[str, Any]]:
+    """Source ``i``'s GPTDataset built for ``samples`` (None: one epoch), and the description that keys its cache."""
+    ds, (lo, hi) = opened.datasets[i], opened.ranges[i]
+    begin, end = ds.token_span(lo, hi)
+    warn_if_sample_exceeds_split(ds.path_prefix, split, end - begin, spec.seq_length, EXTRA)
+    description = {
+        "kind": "GPTDataset",
+        "megatron_core": "0.16",
+        "content_digest": opened.digests[i],
+        "sequences": [lo, hi],
+        "seed": spec.seed,
+        "seq_length": spec.seq_length,
+        "num_samples": samples,
+        "extra_token": EXTRA,
+        "drop_last_partial": True,
+    }
+
+    def build() -> dict[str, numpy.ndarray]:
+        with spec.blame(spec.data_key(split)):
+            indices = build_gpt_indices(
+                ds.sequence_lengths,
+                numpy.arange(lo, hi, dtype=numpy.int32),
+                spec.seq_length,
+                spec.seed,
+                samples,
+                where=ds.path_prefix,
+            )
+        return {
+            "document_index": indices.document_index,
+            "sample_index": indices.sample_index,
+            "shuffle_index": indices.shuffle_index,
+        }
+
+    try:
+        with spec.blame("path_to_cache"):
+            arrays = cache.get_or_build("GPTDataset", description, build)
+    except (MemoryError, ValueError, OverflowError) as exc:  # numpy's refusals of a huge index
+        raise spec.error(
+            spec.num_samples_key(split),
+            f"cannot build the {split} index of {ds.path_prefix} for {samples} samples: {exc}",
+        ) from exc
+    return GPTSource(ds, arrays, spec.seq_length, (lo, hi), samples), description
+
+
+def _open_blend(
+    spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources, cache: IndexCache
+) -> MegatronStream:
+    """megatron-core's BlendedDataset over a GPTDataset per source, each built for its share of the blend."""
+    live, weighted, num_samples = opened.live, opened.weighted, opened.num_samples
+    num_samples_key = spec.num_samples_key(split)
     if weighted and num_samples is None:
         if split == "train":
             raise spec.error(
@@ -222,7 +232,7 @@ def open_megatron(spec: DatasetSpec, split: str, identity: dict[str, Any], opene
             )
         weighted = False  # valid/test without a size: every source once, blended by size
     plan = blending.plan_blend([w for _, w in live] if weighted else None, num_samples, count=len(live))
-    built = [gpt(i, plan.build_sizes[i]) for i in range(len(live))]
+    built = [_gpt_source(spec, split, opened, cache, i, plan.build_sizes[i]) for i in range(len(live))]
     sources = [source for source, _ in built]
     if not any(len(s) for s in sources) and (split == "train" or num_samples is not None):
         raise _no_sample(spec, split)  # blending nothing would divide by zero
