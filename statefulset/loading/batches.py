@@ -96,11 +96,18 @@ class BatchSource(IterableDataset):
                 yield t
 
     def _build(
-        self, t: int, out: dict[str, numpy.ndarray] | None = None, dtype: Any = numpy.int64, wire: bool = False
+        self,
+        t: int,
+        out: dict[str, numpy.ndarray] | None = None,
+        dtype: Any = numpy.int64,
+        wire: bool = False,
+        positions: numpy.ndarray | None = None,
     ) -> dict[str, numpy.ndarray]:
         """Every field of batch ``t``, into ``out``'s arrays when given (``text`` in ``dtype`` otherwise;
-        ``wire``: the document fields as their pieces, :data:`WIRE`)."""
-        positions = self.positions(t)
+        ``wire``: the document fields as their pieces, :data:`WIRE`); ``positions``: ``self.positions(t)``
+        when the caller has them."""
+        if positions is None:
+            positions = self.positions(t)
         if out is None:
             out = {"text": numpy.empty((positions.size, self.stream.seq_length + 1), dtype=dtype)}
             if wire and self.boundaries:
@@ -125,9 +132,10 @@ class BatchSource(IterableDataset):
         With the worker's ``ring``: the global RNG states are the caller's to put back (once per
         hand-off), and samples that keep the dataset's layout come back :class:`Staged` for the ring.
         """
-        fields = rows.result() if rows is not None else self._build(t)
         positions = self.cursor.positions(t)
-        sources = source_prefixes(self.stream, positions % self.wrap if self.wrap else positions)  # self.positions(t)
+        wrapped = positions % self.wrap if self.wrap else positions  # self.positions(t)
+        fields = rows.result() if rows is not None else self._build(t, positions=wrapped)
+        sources = source_prefixes(self.stream, wrapped)
         if ring is None:
             return self.encoder.micro_batch(fields, positions, sources)
         if not self.encoder.collates:

@@ -217,6 +217,8 @@ class TaskEncoderRunner:
         columns = [given.get(name, nothing) for name in _MADE]
         method = self.encode
         plain = not method.keyed and method.generator is None
+        if plain and self._checks_left <= 0:
+            return self._encode_plain(columns)
         samples = []
         kept = True
         made: tuple[Any, ...] = ()
@@ -234,6 +236,41 @@ class TaskEncoderRunner:
                     values = sample.__dict__
                     kept = len(values) == len(_MADE) and all(map(is_, values.values(), made))
                 samples.append(encoded)
+        except StatefulsetError:
+            raise
+        except Exception as exc:  # as _run names it
+            raise StatefulsetError(
+                f"task encoder {self.identity}: encode_sample failed on sample {made[1]}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return samples, kept
+
+    def _encode_plain(self, columns: list[Any]) -> tuple[list, bool]:
+        """:meth:`encode_rows`' loop for an unkeyed ``encode_sample`` without ``rng`` once the global-RNG
+        checks are done: the method called directly, and *kept* judged by unpacking the sample's
+        attributes (a TokenSample's seven, in the order its constructor set them) instead of mapping
+        ``is`` over them; an eighth attribute, or one deleted, fails the unpacking: not kept."""
+        call = self.encode.call
+        samples = []
+        kept = True
+        made: tuple[Any, ...] = ()
+        try:
+            for made in zip(*columns, strict=True):
+                sample = TokenSample(*made)
+                encoded = call(sample)
+                samples.append(encoded)
+                if encoded is not sample:
+                    kept = False
+                    self._refuse_result(encoded, made[1])
+                elif kept:
+                    try:
+                        t, i, s, m, c, x, p = sample.__dict__.values()  # the TokenSample's fields, in order
+                    except ValueError:
+                        kept = False
+                        continue
+                    kept = (
+                        t is made[0] and i is made[1] and s is made[2] and m is made[3]
+                        and c is made[4] and x is made[5] and p is made[6]
+                    )  # fmt: skip
         except StatefulsetError:
             raise
         except Exception as exc:  # as _run names it
