@@ -4,7 +4,9 @@
 boundaries) and their ``loss_mask`` must be the Python version's, bit for bit: over random
 positions of both packings, single sources and blends of several prefixes, positions in many
 epochs, documents shorter than a sample (many pieces per row) and empty sequences, every token
-dtype of ``out``; and with ``STATEFULSET_KERNELS=0`` nothing changes.
+dtype of ``out``; and with ``STATEFULSET_KERNELS=0`` nothing changes. The document fields written
+in the same call (``document_boundaries``) are the Python version's too, and rows they refuse raise
+its error.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import numpy
 import pytest
 
 from statefulset import IndexedDatasetWriter
-from statefulset.errors import SequenceIndexError
+from statefulset.errors import SequenceIndexError, StatefulsetError
 from statefulset.index import compiled
 from statefulset.streams.compiled_gather import REFUSED
+from statefulset.streams.documents import FieldTargets, document_fields, gather_fields
 from statefulset.streams.opening import open_stream
 
 SEQ = 64
@@ -187,7 +190,9 @@ def test_refusals_write_nothing(shards):
                 block[:4] = [2, kind, 128, 1]
                 good = [0, 1] if inputs == 1 else [0, 0, 0, 1]
                 block[4 : 4 + 2 * inputs] = values if kind == 5 and table is kernel.table else good
-                assert lib.sf_gather_batch(table.ctypes.data, block.ctypes.data, out.ctypes.data, None) == -1, name
+                assert lib.sf_gather_batch(table.ctypes.data, block.ctypes.data, out.ctypes.data, None, None) == -1, (
+                    name
+                )
                 assert (out == 77).all(), name
 
 
@@ -217,3 +222,75 @@ def test_one_pass_splits_equal_the_python_version(shards):
             p = rng.integers(0, len(stream), size=8)
             assert stream._fill_compiled(p, numpy.empty((8, SEQ + 1), numpy.int64), False, None) is not REFUSED
             assert_same(batches(stream, p), python_batches(stream, p), f"{split} {p}")
+
+
+def python_fields(stream, p):
+    """text, loss_mask (masked streams) and the document fields by the Python version (the stream's
+    _fill, then the numpy rule), and the rule's error message where it refuses the rows."""
+    text = numpy.empty((p.size, SEQ + 1), numpy.int64)
+    labels = numpy.empty((p.size, SEQ), numpy.float32) if stream.masked else None
+    pieces = stream._fill(p, text, True, labels)
+    out = {"text": text} if labels is None else {"text": text, "loss_mask": labels}
+    try:
+        out.update(document_fields(pieces, SEQ, p, native=False))
+    except StatefulsetError as exc:
+        return out, str(exc)
+    return out, None
+
+
+def assert_fields(ours, theirs, what):
+    assert sorted(ours) == sorted(theirs), what
+    for name, value in theirs.items():
+        assert ours[name].dtype == value.dtype and ours[name].shape == value.shape, f"{what} {name}"
+        numpy.testing.assert_array_equal(ours[name], value, err_msg=f"{what} {name}")
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_document_fields_in_the_batch_call_equal_the_python_version(shards, rows):
+    """The batch kernel writes cu_seqlens, max_seqlen and position_ids in the call that copies the
+    rows: with the rows (and loss_mask), bit for bit the Python version's (stream._fill, then the
+    numpy rule), dtypes included, into new arrays and into given ones (text in any token dtype);
+    rows the rule refuses (more documents than cu_seqlens has room for: the tiny shard's) raise its
+    error, naming the sample."""
+    root, prefixes = shards
+    rng = numpy.random.default_rng(100 + rows)
+    refused = written = 0
+    for name, spec in specs(root, prefixes):
+        stream = open_stream(spec)
+        for trial in range(12):
+            p = positions(stream, rng, rows)
+            expected, error = python_fields(stream, p)
+            targets = FieldTargets(rows, SEQ, {})
+            text, _ = stream.gather_pieces(p, documents=targets.request)
+            assert targets.written == (error is None), f"{name} {p}"  # the kernel wrote them, or refused
+            if error is not None:
+                refused += 1
+                with pytest.raises(StatefulsetError) as raised:
+                    gather_fields(stream, p, True)
+                assert str(raised.value) == error
+                continue
+            written += 1
+            assert_fields(
+                {"text": text, **targets.fields}, {k: v for k, v in expected.items() if k != "loss_mask"}, name
+            )
+            assert_fields(gather_fields(stream, p, True), expected, f"{name} {p}")
+            dtype = (numpy.int64, stream.token_dtype)[trial % 2]
+            given = {k: numpy.full(v.shape, 7, dtype=dtype if k == "text" else v.dtype) for k, v in expected.items()}
+            got = gather_fields(stream, p, True, dict(given))
+            assert all(got[k] is given[k] for k in given), name  # written in place
+            assert_fields(got, {**expected, "text": expected["text"].astype(dtype)}, f"{name} {p} {dtype}")
+    assert written > 20 and refused > 0, (written, refused)
+
+
+def test_refused_rows_write_no_document_fields(shards):
+    """A batch the kernel refuses (a position past the stream) writes no field and leaves the code
+    at -1: the Python version then names the position."""
+    root, prefixes = shards
+    stream = open_stream(dict(specs(root, prefixes))["megatron one"])
+    given = {"cu_seqlens": numpy.full((2, SEQ + 1), 7, numpy.int32), "max_seqlen": numpy.full(2, 7, numpy.int32),
+             "position_ids": numpy.full((2, SEQ), 7, numpy.int64)}  # fmt: skip
+    targets = FieldTargets(2, SEQ, given)
+    with pytest.raises(SequenceIndexError, match=f"position {len(stream)} is outside"):
+        stream.gather_pieces([0, len(stream)], documents=targets.request)
+    assert targets.request[5] == -1 and not targets.written
+    assert all((value == 7).all() for value in given.values())

@@ -183,7 +183,7 @@ EVICTED_DURING_CALL = """
 import threading
 import numpy
 from statefulset.index import compiled
-from statefulset.streams import documents
+from statefulset.streams import documents, field_targets
 
 S = 64  # iota: 512 bytes, fill: 260 bytes, both in numpy's small-block cache: a freed block comes back first
 lib = compiled.library()
@@ -197,7 +197,7 @@ class EvictedBeforeTheCall:
         self.lib, self.garbage = lib, []
 
     def sf_document_fields(self, *args):
-        evict = threading.Thread(target=lambda: [documents._constant_rows(n) for n in range(1, 11)])
+        evict = threading.Thread(target=lambda: [field_targets.constant_rows(n) for n in range(1, 11)])
         evict.start()
         evict.join(timeout=60)
         assert not evict.is_alive(), "the evicting thread did not finish in 60 s"

@@ -57,7 +57,7 @@ logger = logging.getLogger("statefulset")
 _SOURCE = Path(__file__).with_name("kernels.c")
 _MODULE_SOURCE = Path(__file__).with_name("kernels_module.c")  # the extension module's own functions
 _INSTALLED = f"{__name__.rpartition('.')[0]}._kernels"  # the extension module setup.py builds
-_ABI = 9
+_ABI = 10
 _REBUILD = "pip install . (or pip install -e . / python setup.py build_ext --inplace in a checkout)"
 
 _lock = threading.Lock()
@@ -124,7 +124,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_gather_masked.restype = i64
     lib.sf_fim_rows.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64]
     lib.sf_fim_rows.restype = i64
-    lib.sf_gather_batch.argtypes = [ptr, ptr, ptr, ptr]
+    lib.sf_gather_batch.argtypes = [ptr, ptr, ptr, ptr, ptr]
     lib.sf_gather_batch.restype = i64
     lib.sf_narrow_tokens.argtypes = [ptr, i64, ptr, i32]
     lib.sf_narrow_tokens.restype = i64

@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SF_KERNELS_ABI 9
+#define SF_KERNELS_ABI 10
 
 /* The walk reads lengths[] at random (one read per document_index entry): ask for the entry
  * SF_PREFETCH_AHEAD positions on early. Only a hint, it never changes a result; ~30% faster on
@@ -1446,15 +1446,25 @@ static void sf_touch_pages(const int64_t *starts, const int64_t *lengths, int64_
     sf_touch_sink = acc;
 }
 
+/* The document fields of a gathered batch (streams.documents.gather_fields), asked for by
+ * sf_gather_batch's `fields`: the addresses of cu (int32 [rows, S+1]), max_out (int32 [rows]) and pos
+ * (int64 [rows, S]), sf_document_fields's constant rows iota and fill, then the value the kernel
+ * writes: sf_document_fields's code for the batch's pieces (0: the fields are written), or -1 when
+ * nothing was written (the rows refused, or their pieces not asked for). */
+enum { SF_FIELDS_CU, SF_FIELDS_MAX, SF_FIELDS_POS, SF_FIELDS_IOTA, SF_FIELDS_FILL, SF_FIELDS_CODE };
+
 /*
  * The rows of one batch (kind dst_kind, [rows, width]) into out and, when label is not NULL, their
  * loss_mask (float32 [rows, width - 1]): planned by packing (table[5]: 0 megatron, 1 native) from
  * the stream's table and the batch block (layouts above), then copied row by row from each row's
  * source, every range's cache lines prefetched first. Returns the number of pieces (written to the
  * batch block), -1 when anything is out of range, or -(2 + pieces) when the pieces do not fit the
- * block's capacity; in both cases nothing is written to out or label.
+ * block's capacity; in both cases nothing is written to out or label. With `fields` (not NULL, the
+ * layout above; the batch block's `want` set), the rows' document fields are written in the same
+ * call, from the pieces the plan found, while the ranges' first loads are under way: the values of
+ * sf_document_fields (one call fewer per batch, and no pieces handed to Python and back).
  */
-int64_t sf_gather_batch(const int64_t *table, int64_t *batch, void *out, float *label) {
+int64_t sf_gather_batch(const int64_t *table, int64_t *batch, void *out, float *label, int64_t *fields) {
     int64_t sources = table[0], width = table[4], rows = batch[0], dst_kind = batch[1], capacity = batch[2];
     if (sources < 1 || width < 2 || rows < 0 || capacity < 0 || dst_kind < 0 || dst_kind >= SF_KINDS ||
         (rows > 0 && width > INT64_MAX / rows))
@@ -1464,6 +1474,7 @@ int64_t sf_gather_batch(const int64_t *table, int64_t *batch, void *out, float *
         if (s[SF_SRC_KIND] < 0 || s[SF_SRC_KIND] >= SF_KINDS || s[SF_SRC_TOKENS] == 0 || s[SF_SRC_ITEMSIZE] < 1)
             return -1;
     }
+    if (fields != NULL) fields[SF_FIELDS_CODE] = -1;
     int64_t pieces = table[5] == 0 ? sf_plan_megatron(table, batch) : sf_plan_native(table, batch);
     if (pieces < 0) return pieces;
     int64_t *source_of = batch + SF_BATCH + (table[5] == 0 ? 1 : 2) * rows, *starts = source_of + rows;
@@ -1478,6 +1489,11 @@ int64_t sf_gather_batch(const int64_t *table, int64_t *batch, void *out, float *
         sf_prefetch_ranges(starts + at, lengths + at, counts[r], (const char *)(uintptr_t)s[SF_SRC_TOKENS],
                            sf_kind_size[s[SF_SRC_KIND]], label ? (const uint8_t *)(uintptr_t)s[SF_SRC_MASK] : NULL);
     }
+    if (fields != NULL && batch[3]) /* counts, used and lengths lie back to back: the fields' packed input */
+        fields[SF_FIELDS_CODE] = sf_document_fields(
+            counts, 2 * rows + pieces, rows, width - 1, (int32_t *)(uintptr_t)fields[SF_FIELDS_CU],
+            (int32_t *)(uintptr_t)fields[SF_FIELDS_MAX], (int64_t *)(uintptr_t)fields[SF_FIELDS_POS],
+            (const int64_t *)(uintptr_t)fields[SF_FIELDS_IOTA], (const int32_t *)(uintptr_t)fields[SF_FIELDS_FILL]);
     for (int64_t r = 0, at = 0; r < rows; at += counts[r], r++) {
         const int64_t *s = table + SF_TABLE + source_of[r] * SF_SOURCE;
         /* A native row is one range, its pieces back to back from its first token. */

@@ -24,6 +24,7 @@ from statefulset.shards.storage import local_version
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.compiled_gather import REFUSED
 from statefulset.streams.documents import Pieces, merge_pieces
+from statefulset.streams.located import LastLocated
 from statefulset.streams.provenance import Provenance, explain
 
 # Megatron's add_extra_token_to_sequence: a sample holds seq_length + 1 tokens.
@@ -70,32 +71,6 @@ def _unopened(split: str, pins: list[tuple[str, str]], exc: Exception) -> Statef
     return error
 
 
-class LastLocated:
-    """The last positions a stream located and the answer, as copies.
-
-    A micro-batch's positions are located twice with a task encoder: to gather its tokens, then for
-    each sample's ``source`` (:func:`statefulset.streams.provenance.source_prefixes`); the second
-    costs as much as the first (~50 µs at 8 positions). One per stream, in :meth:`SampleStream.locate`:
-    the blend schedules underneath keep nothing. The slot is one tuple, replaced whole, so
-    read-ahead threads locating other positions see either answer whole, never a mix.
-    """
-
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last: tuple[Any, tuple[numpy.ndarray, numpy.ndarray]] | None = None
-
-    def get(self, p: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray] | None:
-        last = self._last
-        if last is None or last[0] != (p.shape, p.tobytes()):
-            return None
-        return last[1][0].copy(), last[1][1].copy()
-
-    def put(self, p: numpy.ndarray, found: tuple[numpy.ndarray, numpy.ndarray]) -> tuple[numpy.ndarray, numpy.ndarray]:
-        self._last = ((p.shape, p.tobytes()), (found[0].copy(), found[1].copy()))
-        return found
-
-
 class SampleStream:
     """Packed samples of ``seq_length + 1`` tokens at integer positions."""
 
@@ -134,6 +109,7 @@ class SampleStream:
         # (a .bin changed, or reopening failed): raised by the stream's first use.
         self.refused: StatefulsetError | None = None
         self._last = LastLocated()
+        self._kernel: Any = None  # compiled_gather.BatchKernel, made at the first batch (False: none)
 
     def __len__(self) -> int:
         return self._length
@@ -183,13 +159,21 @@ class SampleStream:
         """
         return self._gather(positions, out, False)[0]
 
-    def gather_pieces(self, positions: Any, out: numpy.ndarray | None = None) -> tuple[numpy.ndarray, Pieces]:
-        """:meth:`gather`, and the documents inside each row (:mod:`statefulset.streams.documents`)."""
-        out, pieces = self._gather(positions, out, True)
+    def gather_pieces(
+        self, positions: Any, out: numpy.ndarray | None = None, documents: list[int] | None = None
+    ) -> tuple[numpy.ndarray, Pieces]:
+        """:meth:`gather`, and the documents inside each row (:mod:`statefulset.streams.documents`);
+        ``documents``: a ``FieldTargets.request`` the batch kernel may write the document fields into."""
+        out, pieces = self._gather(positions, out, True, None, documents)
         return out, _some(pieces)
 
     def gather_masked(
-        self, positions: Any, out: numpy.ndarray | None = None, want: bool = True, labels: numpy.ndarray | None = None
+        self,
+        positions: Any,
+        out: numpy.ndarray | None = None,
+        want: bool = True,
+        labels: numpy.ndarray | None = None,
+        documents: list[int] | None = None,
     ) -> tuple[numpy.ndarray, Pieces | None, numpy.ndarray]:
         """:meth:`gather_pieces` (the pieces only with ``want``, else None), and the rows' ``loss_mask``: float32
         ``[len(positions), seq_length]``, into ``labels`` when given (C-contiguous, that shape and
@@ -199,11 +183,16 @@ class SampleStream:
         shape = (count, self.seq_length)
         if labels is None or labels.shape != shape or labels.dtype != _FLOAT32 or not labels.flags.c_contiguous:
             labels = numpy.empty(shape, dtype=numpy.float32)
-        out, pieces = self._gather(positions, out, want, labels)
+        out, pieces = self._gather(positions, out, want, labels, documents if want else None)
         return out, _some(pieces) if want else None, labels
 
     def _gather(
-        self, positions: Any, out: numpy.ndarray | None, want: bool, masks: numpy.ndarray | None = None
+        self,
+        positions: Any,
+        out: numpy.ndarray | None,
+        want: bool,
+        masks: numpy.ndarray | None = None,
+        documents: list[int] | None = None,
     ) -> tuple[numpy.ndarray, Pieces | None]:
         if self.refused is not None:
             raise self.refused
@@ -225,7 +214,7 @@ class SampleStream:
             return out, None
         # One compiled call for the whole batch where the stream has one (it checks the positions);
         # otherwise, or for anything it refuses, the Python version, which names what is wrong.
-        pieces = self._fill_compiled(p, out, want, masks)
+        pieces = self._fill_compiled(p, out, want, masks, documents)
         if pieces is REFUSED:
             self._check_positions(p)
             pieces = self._fill(p, out, want, masks)
@@ -240,11 +229,24 @@ class SampleStream:
             )
 
     def _fill_compiled(
-        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
+        self, p: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None, documents: Any = None
     ) -> Any:
-        """:meth:`_fill` in one compiled call (:mod:`statefulset.streams.compiled_gather`), or REFUSED
-        (nothing written) where the stream has none or it does not take these positions."""
-        return REFUSED
+        """:meth:`_fill` in one compiled call (:mod:`statefulset.streams.compiled_gather`; the document
+        fields too when ``documents`` asks), or REFUSED (nothing written) where the stream has no
+        kernel or :meth:`_kernel_rows` refuses these positions. The kernel is made at the first batch."""
+        kernel = self._kernel
+        if kernel is None:
+            kernel = self._kernel = self._batch_kernel() or False
+        rows_in = REFUSED if kernel is False else self._kernel_rows(kernel, p)
+        return REFUSED if rows_in is REFUSED else kernel.fill(rows_in, out, want, masks, documents)
+
+    def _batch_kernel(self) -> Any:
+        """This stream's ``compiled_gather.BatchKernel``, or None (every batch on :meth:`_fill`)."""
+        return None
+
+    def _kernel_rows(self, kernel: Any, p: numpy.ndarray) -> Any:
+        """What ``kernel.fill`` takes for positions ``p`` (megatron: ``[p]``), or REFUSED."""
+        return [p]
 
     def _fill(
         self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None

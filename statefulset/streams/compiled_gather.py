@@ -7,7 +7,10 @@ stream's index arrays (packing megatron: its blend, shuffle, sample and document
 native: each source's keyed window order, located in the blend by Python), it checks and plans
 every row's ranges, copies them from the memory-mapped ``.bin`` into ``out`` (any token dtype),
 the ``loss_mask`` beside them when asked, and returns the rows' pieces as
-:class:`~statefulset.streams.documents.Pieces` lays them out.
+:class:`~statefulset.streams.documents.Pieces` lays them out. With ``document_boundaries`` the same
+call writes the document fields from those pieces (``cu_seqlens``, ``max_seqlen``,
+``position_ids``: :func:`statefulset.streams.documents.gather_fields`), the values of
+``sf_document_fields``, instead of a second call after the pieces went to Python and back.
 
 The stream's constants (addresses, dtypes, sizes of every array it reads) are written once into
 a table (:class:`BatchKernel`); each batch writes its positions into this thread's scratch block
@@ -33,6 +36,7 @@ TOKEN_KINDS = {
 }
 INDEX_KINDS = {numpy.dtype(t): k for k, t in enumerate((numpy.int16, numpy.int32, numpy.int64, numpy.uint32))}
 TABLE, SOURCE, BATCH = 6, 18, 4
+FIELDS = 6  # kernels.c's SF_FIELDS_*: cu_seqlens, max_seqlen, position_ids, iota, fill, then the code
 MEGATRON, NATIVE = 0, 1
 # Pieces a batch block holds at first, per row (a sample spans ~5 documents of 500 tokens); more
 # are made room for when a batch needs them.
@@ -54,9 +58,20 @@ class BatchKernel:
         self.has_masks = all(d.loss_mask is None or d.loss_mask.mapped_address for d in datasets)
         self.schedule: tuple[numpy.ndarray, numpy.ndarray] | None = None  # native: a data schedule's tables
 
-    def fill(self, rows_in: list[numpy.ndarray], out: numpy.ndarray, want: bool, masks: numpy.ndarray | None) -> Any:
+    def fill(
+        self,
+        rows_in: list[Any],
+        out: numpy.ndarray,
+        want: bool,
+        masks: numpy.ndarray | None,
+        documents: list[int] | None = None,
+    ) -> Any:
         """Rows of ``out`` (and ``masks``) from ``rows_in`` (megatron: the positions; native: each row's
-        source, then its local sample); their pieces with ``want``, else None; REFUSED when not filled."""
+        source, then its local sample); their pieces with ``want``, else None; REFUSED when not filled.
+
+        ``documents`` (with ``want``): the document fields' five addresses and a code, as
+        :class:`~statefulset.streams.documents.FieldTargets` holds them: the kernel writes the fields
+        in the same call and sets the code (0: written; else the caller computes them apart)."""
         lib = compiled.library()
         kind = TOKEN_KINDS.get(out.dtype)
         if lib is None or kind is None or (masks is not None and not self.has_masks):
@@ -69,9 +84,13 @@ class BatchKernel:
             return REFUSED
         rows = out.shape[0]
         capacity = _PIECES_PER_ROW * rows
+        tail = fields = None
         while True:
             size = BATCH + (self.inputs + 3) * rows + 2 * capacity
-            block, address = compiled.scratch(size)
+            block, address = compiled.scratch(size + FIELDS)
+            if documents is not None and want:  # the fields' addresses after the batch's values
+                tail, fields = size, address + 8 * size
+                block[size : size + FIELDS - 1] = documents[: FIELDS - 1]
             block[0] = rows
             block[1] = kind
             block[2] = capacity
@@ -80,12 +99,14 @@ class BatchKernel:
             for values in rows_in:
                 block[at : at + rows] = values
                 at += rows
-            pieces = lib.sf_gather_batch(self.address, address, to, to_labels or None)
+            pieces = lib.sf_gather_batch(self.address, address, to, to_labels or None, fields)
             if pieces >= -1:
                 break
             capacity = -pieces - 2  # room for every piece of this batch, then again
         if pieces == -1:
             return REFUSED
+        if tail is not None:
+            documents[FIELDS - 1] = int(block[tail + FIELDS - 1])  # type: ignore[index]
         sources = block[at : at + rows]
         used = self.datasets if len(self.datasets) == 1 else [self.datasets[d] for d in set(sources.tolist())]
         # Never a row of another version of a file (a stat each after the copy, as every gather).

@@ -23,6 +23,7 @@ import numpy
 
 from statefulset.errors import StatefulsetError
 from statefulset.index import compiled
+from statefulset.streams.field_targets import FieldTargets, constant_rows, data_address
 
 DOCUMENT_FIELDS = ("cu_seqlens", "max_seqlen", "position_ids")
 # How the document fields of a batch travel from a DataLoader worker: its pieces, not the fields
@@ -100,80 +101,24 @@ def document_fields(
     return _document_fields_numpy(pieces, seq_length, positions)
 
 
-_CONSTANT_ROWS: dict[int, tuple[numpy.ndarray, numpy.ndarray, int, int]] = {}
-
-
-def _constant_rows(seq_length: int) -> tuple[numpy.ndarray, numpy.ndarray, int, int]:
-    """``0..S-1`` (int64) and ``S+1`` copies of ``S`` (int32), and their addresses: rows the kernel copies.
-
-    The caller holds the returned tuple across its kernel call: the cache may drop these rows at
-    any time (another thread asking for other lengths), and an address alone keeps nothing alive.
-    """
-    found = _CONSTANT_ROWS.get(seq_length)
-    if found is None:
-        if len(_CONSTANT_ROWS) > 8:  # a few sequence lengths per process at most
-            _CONSTANT_ROWS.clear()
-        iota = numpy.arange(seq_length, dtype=numpy.int64)
-        fill = numpy.full(seq_length + 1, seq_length, dtype=numpy.int32)
-        found = (iota, fill, iota.ctypes.data, fill.ctypes.data)
-        _CONSTANT_ROWS[seq_length] = found
-    return found
-
-
 def _fields_compiled(
-    lib: Any, pieces: Pieces, seq_length: int, given: dict[str, numpy.ndarray]
+    lib: Any, pieces: Pieces, seq_length: int, given: dict[str, numpy.ndarray], targets: FieldTargets | None = None
 ) -> dict[str, numpy.ndarray] | None:
-    """The kernel's fields, into ``given``'s arrays where they fit (a ring slot), else into one new block.
-
-    Written for a per-batch cost of a few µs: numpy's per-call overheads (``prod``, ``.ctypes``)
-    would otherwise cost more than the kernel's work.
-    """
+    """The kernel's fields, into ``targets`` (made from ``given``'s arrays, a ring slot's, when None),
+    or None where the kernel refuses the pieces."""
     rows = pieces.counts.size
+    targets = FieldTargets(rows, seq_length, given) if targets is None else targets
     packed = pieces.packed  # the kernel checks its counts against its lengths itself
     if packed is None:
         total = int(pieces.counts.sum())
         if pieces.lengths.size < total:
             raise StatefulsetError(f"internal: {pieces.lengths.size} piece lengths for {total} pieces")
         packed = numpy.concatenate([pieces.counts, pieces.used, pieces.lengths]).astype(numpy.int64, copy=False)
-    cu_bytes = rows * (seq_length + 1) * 4
-    cu_room = -(-cu_bytes // 8) * 8
-    max_room = -(-rows * 4 // 8) * 8
-    cu, top, pos = given.get("cu_seqlens"), given.get("max_seqlen"), given.get("position_ids")
-    if (
-        _fits(cu, (rows, seq_length + 1), _INT32)
-        and _fits(top, (rows,), _INT32)
-        and _fits(pos, (rows, seq_length), _INT64)
-    ):
-        addresses = (_address(cu), _address(top), _address(pos))  # type: ignore[arg-type]
-    else:  # one block, three views: one address to read instead of three
-        block = numpy.empty(cu_room + max_room + rows * seq_length * 8, dtype=numpy.uint8)
-        base = _address(block)
-        cu = block[:cu_bytes].view(numpy.int32).reshape(rows, seq_length + 1)
-        top = block[cu_room : cu_room + rows * 4].view(numpy.int32)
-        pos = block[cu_room + max_room :].view(numpy.int64).reshape(rows, seq_length)
-        addresses = (base, base + cu_room, base + cu_room + max_room)
-    # The kernel gets raw addresses: every array behind one is held by a local of this frame until
-    # the call returns (packed, block or given's arrays, and the constant rows), so another
-    # read-ahead thread evicting _CONSTANT_ROWS cannot free what the kernel is reading (C9).
-    constant = _constant_rows(seq_length)
-    code = lib.sf_document_fields(
-        _address(packed), packed.size, rows, seq_length, *addresses, constant[2], constant[3]
-    )  # fmt: skip
-    return {"cu_seqlens": cu, "max_seqlen": top, "position_ids": pos} if code == 0 else None
-
-
-_INT32, _INT64 = numpy.dtype(numpy.int32), numpy.dtype(numpy.int64)
-
-
-def _address(array: numpy.ndarray) -> int:
-    """A C-contiguous array's data address: ~0.4 µs where ``.ctypes.data`` costs ~1.4 µs (read-only
-    arrays, such as pieces read from a memory map, take the slower way)."""
-    found = compiled.writable_address(array)
-    return found if found is not None else array.ctypes.data
-
-
-def _fits(array: numpy.ndarray | None, shape: tuple[int, ...], dtype: numpy.dtype) -> bool:
-    return array is not None and array.shape == shape and array.dtype == dtype and array.flags.c_contiguous
+    # The kernel gets raw addresses: every array behind one is held by this frame (packed) or by
+    # targets until the call returns, so another read-ahead thread evicting CONSTANT_ROWS cannot
+    # free what the kernel is reading (C9).
+    code = lib.sf_document_fields(data_address(packed), packed.size, rows, seq_length, *targets.request[:5])
+    return targets.fields if code == 0 else None
 
 
 def _document_fields_numpy(
@@ -280,20 +225,36 @@ def gather_fields(
     if not boundaries and not padded and not masked:
         out["text"] = stream.gather(positions, out=out.get("text"))
         return out
+    # The document fields written by the batch kernel itself, in the call that copies the rows (no
+    # pieces handed to Python and back), where the stream has one; else computed from the pieces.
+    rows = positions.size if isinstance(positions, numpy.ndarray) else numpy.asarray(positions).size
+    targets, lib = None, compiled.library()
+    if boundaries and WIRE not in out and rows and lib is not None:
+        targets = FieldTargets(rows, stream.seq_length, out)
+    documents = targets.request if targets is not None else None
     if masked:
         given = out.get("loss_mask")
-        text, pieces, labels = stream.gather_masked(positions, out=out.get("text"), want=boundaries, labels=given)
+        text, pieces, labels = stream.gather_masked(
+            positions, out=out.get("text"), want=boundaries, labels=given, documents=documents
+        )
         if labels is not given:
             _put(out, "loss_mask", labels)
     else:
-        text, pieces = stream.gather_pieces(positions, out=out.get("text"))
+        text, pieces = stream.gather_pieces(positions, out=out.get("text"), documents=documents)
     out["text"] = text
     if padded and not masked:
         _put(out, "loss_mask", loss_mask(pieces.used, stream.seq_length))
     if boundaries and WIRE in out:
         to_wire(pieces, out[WIRE], stream.seq_length, positions)
     elif boundaries:
-        for name, value in document_fields(pieces, stream.seq_length, positions, out=out).items():
+        found = None
+        if targets is not None:  # computed apart where the batch kernel did not write them
+            found = (
+                targets.fields if targets.written else _fields_compiled(lib, pieces, stream.seq_length, out, targets)
+            )
+        if found is None:  # no kernels, or refused: the numpy rule, which names what is wrong
+            found = document_fields(pieces, stream.seq_length, positions, out=out)
+        for name, value in found.items():
             if out.get(name) is not value:
                 _put(out, name, value)
     return out
@@ -349,7 +310,7 @@ def fields_from_wire(
     lib = compiled.pick(native)
     first = 0
     if lib is not None and count and rows:
-        constant = _constant_rows(seq_length)  # held across the call: the kernel reads its rows
+        constant = constant_rows(seq_length)  # held across the call: the kernel reads its rows
         code = lib.sf_document_fields_batches(
             compiled.address(wire, numpy.int64), count, rows * (seq_length + 3), rows, seq_length,
             compiled.address(out["cu_seqlens"], numpy.int32), compiled.address(out["max_seqlen"], numpy.int32),

@@ -17,7 +17,7 @@ from statefulset.index.megatron.gpt import build_gpt_indices, warn_if_sample_exc
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.base import EXTRA, OpenedSources, SampleStream, fill_by_source
-from statefulset.streams.compiled_gather import REFUSED, megatron_kernel
+from statefulset.streams.compiled_gather import megatron_kernel
 from statefulset.streams.documents import Pieces, packed_pieces
 from statefulset.streams.label_masks import gather_ranges
 
@@ -137,16 +137,9 @@ class MegatronStream(SampleStream):
         self.sources = sources
         self.blend = blend
         self.blend_counts: numpy.ndarray | None = None  # samples the blend draws from each source
-        self._kernel: Any = None  # compiled_gather.BatchKernel, made at the first batch (False: none)
 
-    def _fill_compiled(
-        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
-    ) -> Any:
-        kernel = self._kernel
-        if kernel is None:
-            width = self.seq_length + EXTRA
-            kernel = self._kernel = megatron_kernel(self.sources, self.blend, len(self), width) or False
-        return REFUSED if kernel is False else kernel.fill([positions], out, want, masks)
+    def _batch_kernel(self) -> Any:
+        return megatron_kernel(self.sources, self.blend, len(self), self.seq_length + EXTRA)
 
     def _fill(
         self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None = None

@@ -85,24 +85,16 @@ class NativeStream(BlendedStream):
     def __init__(self, spec, split, identity, sources: list[WindowSource], weights: list[float]):
         fillers = [WindowFiller(s) for s in sources]
         super().__init__(spec, split, identity, sources, fillers, weights, one_pass=split != "train")
-        self._kernel: Any = None  # compiled_gather.BatchKernel, made at the first batch (False: none)
 
-    def _fill_compiled(
-        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
-    ) -> Any:
-        kernel = self._kernel
-        if kernel is None:
-            kernel = self._kernel = native_kernel(self.sources, self.seq_length + 1) or False
-        if kernel is False:
-            return REFUSED
+    def _batch_kernel(self) -> Any:
+        return native_kernel(self.sources, self.seq_length + 1)
+
+    def _kernel_rows(self, kernel: Any, p: numpy.ndarray) -> Any:
         if self.schedule is None and self.unbounded:  # the kernel refuses a negative position
-            return kernel.fill([0, positions], out, want, masks)
-        if int(positions.min()) < 0 or (not self.unbounded and int(positions.max()) >= len(self)):
+            return [0, p]
+        if int(p.min()) < 0 or (not self.unbounded and int(p.max()) >= len(self)):
             return REFUSED  # the Python version names the position
-        if self.schedule is None:
-            return kernel.fill([0, positions], out, want, masks)
-        which, local = self.locate(positions)
-        return kernel.fill([which, local], out, want, masks)
+        return [0, p] if self.schedule is None else list(self.locate(p))
 
 
 def open_native(spec: DatasetSpec, split: str, identity: dict[str, Any], opened: OpenedSources) -> NativeStream:

@@ -82,29 +82,22 @@ class StagedStream(SampleStream):
             self.offsets[k] = self.offsets[k - 1] + drawn
         self.schedule = _Locator(self)  # what provenance and the overview call
         self._offset_rows = self.offsets.tolist()
-        self._kernel: Any = None  # compiled_gather.BatchKernel, made at the first batch (False: none)
         # One stage of one source read from its first sample: a position is that source's local sample.
         first = self.stage_sources[0][0]
         one = len(stages) == 1 and self.schedules[0] is None and self._offset_rows[0][first] == self._start_list[0]
         self._only_source = first if one else None
 
-    def _fill_compiled(
-        self, positions: numpy.ndarray, out: numpy.ndarray, want: bool, masks: numpy.ndarray | None
-    ) -> Any:
-        kernel = self._kernel
-        if kernel is None:  # packing native; bestfit stays on its Python version
-            made = None if self.padded else native_kernel(self.sources, self.seq_length + 1, self._schedule_tables())
-            kernel = self._kernel = made or False
-        if kernel is False:
-            return REFUSED
+    def _batch_kernel(self) -> Any:  # packing native; bestfit stays on its Python version
+        return None if self.padded else native_kernel(self.sources, self.seq_length + 1, self._schedule_tables())
+
+    def _kernel_rows(self, kernel: Any, p: numpy.ndarray) -> Any:
         if self._only_source is not None:  # the kernel refuses a negative position
-            return kernel.fill([self._only_source, positions], out, want, masks)
+            return [self._only_source, p]
         if kernel.schedule is not None:  # the kernel locates the positions (and refuses p < 0)
-            return kernel.fill([0, positions], out, want, masks)
-        if int(positions.min()) < 0:
+            return [0, p]
+        if int(p.min()) < 0:
             return REFUSED  # the Python version names it
-        which, local = self.locate(positions)
-        return kernel.fill([which, local], out, want, masks)
+        return list(self.locate(p))
 
     def _schedule_tables(self) -> tuple[list[tuple[int, int, int]], list[list[int]]]:
         """The schedule for the batch kernel to locate positions (compiled_gather.native_kernel): every
