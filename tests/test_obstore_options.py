@@ -86,7 +86,7 @@ def test_obstore_asked_for_but_unusable_is_an_error_naming_the_url_and_the_cause
     with pytest.raises(StatefulsetError, match=r"s3://b/k\.bin: .*requester_pays"):
         RemoteFile("s3://b/k.bin", {"requester_pays": True})  # where a dataset's open meets it
     monkeypatch.setitem(sys.modules, "obstore", None)  # obstore not installed: its import fails
-    with pytest.raises(StatefulsetError, match=r"s3://b/k\.bin: STATEFULSET_S3_CLIENT=obstore, but obstore cannot be imp"):
+    with pytest.raises(StatefulsetError, match=r"s3://b/k\.bin: STATEFULSET_S3_CLIENT=obstore, but obstore cannot be"):
         obstore_client.wanted("s3://b/k.bin", {})
     monkeypatch.setenv("STATEFULSET_S3_CLIENT", "auto")  # the default still falls back, with its WARNING
     assert not obstore_client.wanted("s3://b/k.bin", {})
