@@ -200,6 +200,9 @@ def _locations(case: dict, env: dict, inputs: list[str]):
     variables = env_for(proxy.endpoint if proxy else env["endpoint"])
     variables["STATEFULSET_STORAGE_RETRIES"] = "4"
     variables["STATEFULSET_STORAGE_RETRY_SECONDS"] = "30"
+    # A stalled request is cut (and retried) after 10 s, as the loading cases' read_timeout 5 does,
+    # not after the default 60 s: an s3_stall case waited a minute per stalled request.
+    variables["STATEFULSET_STORAGE_CALL_SECONDS"] = "10"
     return urls, output, variables, s3, proxy
 
 
