@@ -189,7 +189,9 @@ class TestFaults:
     def test_persistent_503_gives_up_with_the_url(self, client, faulty, monkeypatch):
         p, spec = faulty
         stream = open_stream(spec)
-        monkeypatch.setenv("STATEFULSET_STORAGE_RETRIES", "2")
+        # One retry: a 503 SlowDown is an overload answer, allowed OVERLOAD_TRIES times as many
+        # attempts, each after the limiter's doubling pause (2 retries: 9 attempts, 8-16 s of pauses).
+        monkeypatch.setenv("STATEFULSET_STORAGE_RETRIES", "1")
         p.set(fail503=-1)
         start = time.monotonic()
         with pytest.raises(StatefulsetError, match=r"s3://corpus/shards/web\.bin: .*after \d+ attempts"):
