@@ -565,7 +565,13 @@ def run_build(prefix: str, tokens: int, epochs_list: list[int], repeats: int, ca
                     job = {"kind": "build", "side": side, "mode": mode, "epochs": epochs, "prefix": prefix,
                            "num_samples": num_samples, "cache": cache, "cache_root": cache_root,
                            "round": round_}  # fmt: skip
-                    run = _spawn(job)
+                    if side == "ours" and mode == "cold":
+                        # path_to_cache null keeps our indices in the node's default cache (<user cache>/indices),
+                        # which earlier opens filled: a cold open gets an empty user cache of its own.
+                        with tempfile.TemporaryDirectory(prefix="bench_stream_cold_", dir=cache_root) as empty:
+                            run = _spawn(job, {**CHILD_ENV, "XDG_CACHE_HOME": empty})
+                    else:
+                        run = _spawn(job)
                     runs.append(run)
                     _log(
                         f"build {epochs} ep {mode} round {round_ + 1}/{repeats} {side}: {run['seconds']:.3f} s, "
