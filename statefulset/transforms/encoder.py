@@ -112,10 +112,12 @@ class TaskEncoderRunner:
         except StatefulsetError:
             raise
         except Exception as exc:
-            what = f"sample {sample_id}" if method.name == "encode_sample" else f"the micro-batch from {sample_id}"
-            raise StatefulsetError(
-                f"task encoder {self.identity}: {method.name} failed on {what}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._failure(method.name, sample_id, exc) from exc
+
+    def _failure(self, name: str, sample_id: Any, exc: Exception) -> StatefulsetError:
+        """The error naming this encoder, the hook ``name`` and the sample (or micro-batch) it failed on."""
+        what = f"sample {sample_id}" if name == "encode_sample" else f"the micro-batch from {sample_id}"
+        return StatefulsetError(f"task encoder {self.identity}: {name} failed on {what}: {type(exc).__name__}: {exc}")
 
     def _check_globals(self, name: str, before: tuple[Any, Any, Any]) -> None:
         after = save_globals()
@@ -239,9 +241,7 @@ class TaskEncoderRunner:
         except StatefulsetError:
             raise
         except Exception as exc:  # as _run names it
-            raise StatefulsetError(
-                f"task encoder {self.identity}: encode_sample failed on sample {made[1]}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._failure("encode_sample", made[1], exc) from exc
         return samples, kept
 
     def _encode_plain(self, columns: list[Any]) -> tuple[list, bool]:
@@ -274,9 +274,7 @@ class TaskEncoderRunner:
         except StatefulsetError:
             raise
         except Exception as exc:  # as _run names it
-            raise StatefulsetError(
-                f"task encoder {self.identity}: encode_sample failed on sample {made[1]}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._failure("encode_sample", made[1], exc) from exc
         return samples, kept
 
     def encode_in_place(self, rows: dict[str, Any], sample_ids: numpy.ndarray) -> bool:
