@@ -284,6 +284,18 @@ def _profile(args: argparse.Namespace, corpus: str, tokenizer_path: str) -> dict
     return texts
 
 
+def _round_seconds(runs: list[dict[str, Any]], kind: str, workers: int) -> list[dict[str, float]]:
+    """Per round, each side's seconds (its last undisturbed run, else its last run)."""
+    by_round: dict[int, dict[str, float]] = {}
+    for run in runs:
+        if (run["tokenizer"], run["workers"]) != (kind, workers):
+            continue
+        sides = by_round.setdefault(run["round"], {})
+        if not run["disturbed"] or run["side"] not in sides:
+            sides[run["side"]] = run["seconds"]
+    return [by_round[k] for k in sorted(by_round)]
+
+
 def _summarise(runs: list[dict[str, Any]], identical: dict[str, list[bool]]) -> list[dict[str, Any]]:
     rows = []
     for kind in dict.fromkeys(r["tokenizer"] for r in runs):
@@ -297,23 +309,29 @@ def _summarise(runs: list[dict[str, Any]], identical: dict[str, list[bool]]) -> 
                 disturbed = len(mine) - len(clean)
                 mine = clean or mine
                 seconds = [r["seconds"] for r in mine]
-                best = min(seconds)
+                median = spread(seconds)["median"]  # the headline: the median run, not the best
                 row[side] = {
                     "seconds": spread(seconds),
-                    "best_s": best,
+                    "best_s": min(seconds),
+                    "median_s": median,
                     "docs": mine[0]["docs"],
                     "tokens": mine[0]["tokens"],
-                    "docs_per_s": mine[0]["docs"] / best,
-                    "tokens_per_s": mine[0]["tokens"] / best,
+                    "docs_per_s": mine[0]["docs"] / median,
+                    "tokens_per_s": mine[0]["tokens"] / median,
                     "runs_used": len(mine),
                     "runs_disturbed": disturbed,
                     "foreign_cores_max": max(r["foreign_cores"] for r in mine),
                 }
                 if side == "anchor":
                     row[side]["fsync_after_s"] = spread([r["fsync_after_s"] for r in mine])
-            row["ratio"] = row["ours"]["docs_per_s"] / row["anchor"]["docs_per_s"]
-            if SERIAL in row:
-                row["ratio_serial"] = row[SERIAL]["docs_per_s"] / row["anchor"]["docs_per_s"]
+            # The headline ratio: the median of the per-round ratios (anchor seconds / ours seconds of
+            # the same round), with their spread; a round's run is its last undisturbed attempt.
+            rounds = _round_seconds(runs, kind, workers)
+            for side, key in (("ours", "ratio"), (SERIAL, "ratio_serial")):
+                ratios = [r["anchor"] / r[side] for r in rounds if "anchor" in r and side in r]
+                if ratios:
+                    row[f"{key}_rounds"] = spread(ratios)
+                    row[key] = row[f"{key}_rounds"]["median"]
             row["target_met"] = row["ratio"] >= TARGET
             row["byte_identical"] = identical[f"{kind}/{workers}"]
             rows.append(row)
@@ -371,7 +389,7 @@ def _markdown(result: dict[str, Any], command: str) -> str:
         "thread pool on both cores (the `ours, 1 thread` column sets `TOKENIZERS_PARALLELISM=false`). "
         "With `workers>1` it sets `TOKENIZERS_PARALLELISM=false` in its workers, like the anchor.",
         f"* Same input file, page cache warm (read before every run), each run a fresh process, "
-        f"{result['repeats']} runs per configuration interleaved, best run shown. The machine may be shared: "
+        f"{result['repeats']} runs per configuration interleaved, the median run shown. The machine may be shared: "
         f"each run waits for an idle machine, and a run during which other processes used more than "
         f"{FOREIGN_LIMIT} cores on average is discarded and redone (discarded runs: {result['disturbed_runs']}). "
         f"Target: ours ≥ {TARGET:g}× the anchor's documents/s at the same worker count.",
@@ -391,12 +409,17 @@ def _markdown(result: dict[str, Any], command: str) -> str:
         serial = f"{r[SERIAL]['docs_per_s']:,.0f} ({r['ratio_serial']:.2f}×)" if SERIAL in r else "="
         same = r["byte_identical"]
         lines.append(
-            f"| {r['tokenizer']} | {r['workers']} | {a['best_s']:.1f} | {a['docs_per_s']:,.0f} "
-            f"| {o['best_s']:.1f} | {o['docs_per_s']:,.0f} | {o['tokens_per_s'] / 1e6:,.2f}M "
-            f"| **{r['ratio']:.2f}×**{'' if r['target_met'] else ' (below target)'} | {serial} "
+            f"| {r['tokenizer']} | {r['workers']} | {a['median_s']:.1f} | {a['docs_per_s']:,.0f} "
+            f"| {o['median_s']:.1f} | {o['docs_per_s']:,.0f} | {o['tokens_per_s'] / 1e6:,.2f}M "
+            f"| **{r['ratio']:.2f}×** {_range(r.get('ratio_rounds'))}{'' if r['target_met'] else ' (below target)'} "
+            f"| {serial} "
             f"| {'yes' if all(same) else '**NO**'} ({sum(same)}/{len(same)} runs) |"
         )
     return "\n".join(lines)
+
+
+def _range(stat: dict[str, float] | None) -> str:
+    return f"({stat['min']:.2f}–{stat['max']:.2f})" if stat else ""
 
 
 def _write_report(result: dict[str, Any], out_dir: str) -> None:
@@ -411,7 +434,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=DEFAULT_DOCS, help=f"documents (default {DEFAULT_DOCS:,})")
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts (default 1,2)")
     parser.add_argument("--tokenizers", default=",".join(TOKENIZERS), help="bytes, hf or both (default)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration, best kept (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is the headline (default 3)")
     parser.add_argument("--train-docs", type=int, default=20_000, help="documents to train the BPE on")
     parser.add_argument("--vocab-size", type=int, default=32_000, help="BPE vocabulary size (default 32,000)")
     parser.add_argument("--out-dir", default=OUT_DIR, help="where everything goes (default benchmarks/out)")

@@ -116,7 +116,10 @@ def read(record: dict) -> str:
 @from_results("bench_preprocess")
 def preprocess(record: dict) -> str:
     """JSON lines to bin/idx against Megatron-LM's preprocess_data.py loop (bench_preprocess.py)."""
-    rows = ["Best run of each configuration (the script's headline), then the median (min–max) of its runs.", "",
+    median = "median_s" in record["summary"][0]["ours"]  # older files: the best run was the headline
+    rows = [("Seconds: median (min–max) of each configuration's runs; docs/s and tokens/s of the median run; "
+             "ours / anchor: the median of the per-round ratios (min–max)." if median else
+             "Best run of each configuration (the script's headline), then the median (min–max) of its runs."), "",
             "| Tokenizer | Workers | Anchor, s: best; median (min–max) | Anchor docs/s | Ours, s: best; median "
             "(min–max) | Ours docs/s | Ours tokens/s | Ours / anchor | Ours, 1 thread: docs/s (ratio) "
             "| Byte-identical `.bin` + `.idx` |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -126,9 +129,15 @@ def preprocess(record: dict) -> str:
         rows.append(f"| {r['tokenizer']} | {r['workers']} | {a['best_s']:.1f}; {_mmm(a['seconds'], digits=1)} "
                     f"| {a['docs_per_s']:,.0f} | {o['best_s']:.1f}; {_mmm(o['seconds'], digits=1)} "
                     f"| {o['docs_per_s']:,.0f} | {o['tokens_per_s'] / 1e6:,.2f}M "
-                    f"| **{r['ratio']:.2f}×**{'' if r['target_met'] else ' (below target)'} | {serial} "
+                    f"| **{r['ratio']:.2f}×**{_ratio_range(r)}{'' if r['target_met'] else ' (below target)'} "
+                    f"| {serial} "
                     f"| {'yes' if all(same) else '**NO**'} ({sum(same)}/{len(same)} runs) |")  # fmt: skip
     return "\n".join(rows) + "\n"
+
+
+def _ratio_range(row: dict) -> str:
+    stat = row.get("ratio_rounds")
+    return f" ({stat['min']:.2f}–{stat['max']:.2f})" if stat else ""
 
 
 @from_results("bench_loader")
