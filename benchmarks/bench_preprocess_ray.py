@@ -14,40 +14,47 @@ same 2 worker processes, end-of-document token appended, for each tokenizer:
 
 Every row is a whole child process timed from start to exit (imports, Ray's start-up, the merge:
 what a user waits for). Then how ``--executor ray`` scales with the number of tasks, one worker vs
-two (per-core rate), and the rate of the final merge, the figures the 100-node estimate uses.
+two (per-core rate), the memory of a task, the cost of a task and the rate of the final merge, the
+figures the 100-node estimate uses.
+
+Every section runs its variants in ``--rounds`` (>= 3) alternating rounds (A B C A B C ...: a change
+of load falls on all alike) and keeps the median and spread of each figure and of each per-round
+ratio (``provenance.summary``, ``provenance.ratio``); each section is stamped as it finishes. Tables:
+``preprocess_ray_tables.py``.
 
     python benchmarks/bench_preprocess_ray.py [--docs 100000] [--datatrove-python PY]
-    python benchmarks/bench_preprocess_ray.py --quick   # smoke run
+    python benchmarks/bench_preprocess_ray.py --quick   # smoke run: 2,000 documents, one round
     python benchmarks/bench_preprocess_ray.py --sections bpe --datatrove-python PY --out bench_preprocess_ray_bpe.json
 
-``--sections bpe`` is the comparison that counts (BPE_COMMAND; ``render_bpe``): one ``tokenizer.json``
-for ours and datatrove, alternating rounds, wall seconds and CPU seconds of each command's processes,
-and ours with the piece cache off once, compared byte for byte.
-
-Like with like: only the ``bpe`` rows give both tools the same ``tokenizer.json``. The ``bytes``
+Like with like: only the ``bpe`` rows give both tools the same ``tokenizer.json`` (``--sections bpe``,
+the comparison that counts, with CPU seconds and ours with the piece cache off once). The ``bytes``
 rows do not (ours is ``str.encode`` plus one numpy call, datatrove a full ``tokenizers`` pipeline
 with an empty merge list), so a ratio to datatrove counts toward a target only from ``bpe``.
-Each section carries its own provenance stamp; a file holds one run (``--sections`` writes only
-the sections it ran).
+A file holds one run (``--sections`` writes only the sections it ran).
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from jsonl_corpus import EOD_TOKEN, ensure_corpus, train_tokenizer  # noqa: E402
+from preprocess_ray_tables import render  # noqa: E402
 from process_cpu import proc_cpu  # noqa: E402
-from provenance import ratio, stamp, summary, write_results  # noqa: E402
+from provenance import MIN_RUNS, ratio, stamp, summary, write_results  # noqa: E402
+from report_tables import load  # noqa: E402
 
 EXTRA = ("ray", "tokenizers", "pyarrow", "datatrove")
 
@@ -125,27 +132,6 @@ def ours(inputs: list[str], prefix: str, tokenizer: str, extra: list[str], env: 
     return row
 
 
-def memory_rows(corpus: str, folder: str) -> dict:
-    """Peak memory of the Ray workers, bytes tokenizer: a tiny file, the corpus plain (ranges of about
-    1/16 of it per task) and gzipped (one unit, so one task streams all of it). It should not follow the
-    input's size."""
-    import gzip
-    import shutil
-
-    tiny = os.path.join(folder, "tiny.jsonl")
-    with open(corpus, "rb") as f, open(tiny, "wb") as out:
-        out.writelines(line for _, line in zip(range(100), f, strict=False))
-    packed = os.path.join(folder, "corpus.jsonl.gz")
-    with open(corpus, "rb") as f, gzip.open(packed, "wb", compresslevel=1) as out:
-        shutil.copyfileobj(f, out)
-    rows = {}
-    for name, path in (("tiny", tiny), ("plain", corpus), ("gzip", packed)):
-        one_task = ["--executor", "ray", "--task-bytes", str(64 << 30)]
-        row = ours([path], os.path.join(folder, f"mem-{name}"), "bytes", one_task)
-        rows[name] = {**row, "input_bytes": os.path.getsize(path)}
-    return rows
-
-
 def datatrove(python: str, folder: str, tokenizer: str, out: str) -> dict:
     script = os.path.join(HERE, "anchor_datatrove_tokenize.py")
     seconds, stdout = timed([python, script, folder, tokenizer, EOD_TOKEN, out, "8", "2"])
@@ -157,49 +143,92 @@ def megatron_recreation(corpus: str, kind: str, tokenizer: str, prefix: str) -> 
     code = f"import json, sys; sys.path.insert(0, {HERE!r}); import bench_preprocess as b; print(json.dumps({call}))"
     seconds, stdout = timed([sys.executable, "-c", code])
     got = json.loads(stdout.strip().splitlines()[-1])
-    return {"seconds": seconds, "documents": got["docs"], "tokens": got["tokens"]}
+    return {"seconds": seconds, "documents": got["docs"], "tokens": got["tokens"], "cpu_seconds": CPU["seconds"]}
 
 
 def same(a: str, b: str) -> bool:
     return all(filecmp.cmp(a + e, b + e, shallow=False) for e in (".bin", ".idx"))
 
 
-def merge_rate(prefix: str, folder: str) -> dict:
-    """The final merge alone: the largest output copied through ``merge_datasets`` (page cache warm)."""
-    from statefulset.shards.merge import merge_datasets
+Run = Callable[[str], dict]  # a variant: given its round's output folder, one fresh process's row
 
-    size = os.path.getsize(prefix + ".bin") + os.path.getsize(prefix + ".idx")
-    began = time.perf_counter()
-    merge_datasets([prefix], os.path.join(folder, "merged_text_document"))
-    seconds = time.perf_counter() - began
-    return {"bytes": size, "seconds": seconds, "gb_per_s": size / seconds / 1e9}
+
+def alternating(variants: dict[str, Run], rounds: int, folder: str, tag: str,
+                check: Callable[[str], None] | None = None) -> dict[str, list[dict]]:  # fmt: skip
+    """Each variant once a round, in turn (A B C A B C ...), so a change of the machine's load falls on
+    every variant alike. Round k writes under ``folder/<tag>-k``; ``check`` looks at it, then it is removed
+    (the bytes outputs are ~400 MB each)."""
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for k in range(rounds):
+        where = os.path.join(folder, f"{tag}-{k}")
+        os.makedirs(where)
+        for name, run in variants.items():
+            runs[name].append(run(where))
+            print(tag, name, k, json.dumps(runs[name][-1]), flush=True)
+        if check is not None:
+            check(where)
+        shutil.rmtree(where)
+    return runs
+
+
+def summed(got: list[dict]) -> dict:
+    """Median and spread over the rounds of one variant's rows; every round must have made the same output."""
+    docs, tokens = got[0]["documents"], got[0]["tokens"]
+    if any((r["documents"], r["tokens"]) != (docs, tokens) for r in got):
+        raise RuntimeError(f"rounds disagree on documents/tokens: {[(r['documents'], r['tokens']) for r in got]}")
+    row = {"documents": docs, "tokens": tokens, "seconds": summary([r["seconds"] for r in got]),
+           "docs_per_s": summary([docs / r["seconds"] for r in got]),
+           "tokens_per_s": summary([tokens / r["seconds"] for r in got])}  # fmt: skip
+    if all("cpu_seconds" in r for r in got):
+        row["cpu_ms_per_doc"] = summary([1e3 * r["cpu_seconds"] / docs for r in got])
+    if all("peak_task_mib" in r for r in got):
+        row["peak_task_mib"] = summary([r["peak_task_mib"] for r in got])
+    return row
+
+
+def _ours_run(inputs: list[str], name: str, tokenizer: str, extra: list[str], env: dict | None = None) -> Run:
+    return lambda where: ours(inputs, os.path.join(where, name), tokenizer, extra, env)
+
+
+def tools(args: argparse.Namespace, corpus: str, inputs: list[str], name: str, toks: tuple[str, str]) -> dict:
+    """The compare section's variants for one tokenizer: ours twice, datatrove and the recreation."""
+    ours_tok, hf_tok = toks
+    runs = {"ours_workers_2": _ours_run(inputs, f"{name}-w2", ours_tok, ["--workers", "2"]),
+            "ours_ray": _ours_run(inputs, f"{name}-ray", ours_tok, ["--executor", "ray"])}  # fmt: skip
+    if args.datatrove_python and not args.only_ours:
+        in_folder = os.path.join(os.path.dirname(inputs[0]))
+        runs["datatrove"] = lambda where: datatrove(args.datatrove_python, in_folder, hf_tok,
+                                                    os.path.join(where, f"{name}-dt"))  # fmt: skip
+    if not args.only_ours:
+        kind = "bytes" if name == "bytes" else "hf"
+        runs["preprocess_data_py"] = lambda where: megatron_recreation(corpus, kind, hf_tok,
+                                                                       os.path.join(where, f"{name}-meg"))  # fmt: skip
+    return runs
 
 
 def compare(args: argparse.Namespace, corpus: str, inputs: list[str], tokenizers: dict, folder: str) -> dict:
-    rows = {}
-    for name in args.tokenizers.split(","):
-        ours_tok, hf_tok = tokenizers[name]
-        row: dict = {}
-        row["ours_workers_2"] = ours(inputs, os.path.join(folder, f"{name}-w2"), ours_tok, ["--workers", "2"])
-        row["ours_ray"] = ours(inputs, os.path.join(folder, f"{name}-ray"), ours_tok, ["--executor", "ray"])
-        row["identical"] = same(os.path.join(folder, f"{name}-w2_text_document"),
-                                os.path.join(folder, f"{name}-ray_text_document"))  # fmt: skip
-        if args.datatrove_python and not args.only_ours:
-            row["datatrove"] = datatrove(args.datatrove_python, os.path.join(folder, "in"), hf_tok,
-                                         os.path.join(folder, f"{name}-dt"))  # fmt: skip
-        if not args.only_ours:
-            kind = "bytes" if name == "bytes" else "hf"
-            row["preprocess_data_py"] = megatron_recreation(corpus, kind, hf_tok, os.path.join(folder, f"{name}-meg"))
-        for value in row.values():
-            if isinstance(value, dict):
-                value["docs_per_s"] = value["documents"] / value["seconds"]
-                value["tokens_per_s"] = value["tokens"] / value["seconds"]
-        row["ray_over_workers_2"] = row["ours_ray"]["docs_per_s"] / row["ours_workers_2"]["docs_per_s"]
-        if "datatrove" in row:
-            row["ray_over_datatrove"] = row["ours_ray"]["docs_per_s"] / row["datatrove"]["docs_per_s"]
-        rows[name] = row
-        print(name, json.dumps(row), flush=True)
-    return rows
+    """Every tool and tokenizer once a round, in turn; ratios to ``--workers 2`` and of Ray to each, per round."""
+    names = args.tokenizers.split(",")
+    per_tok = {name: tools(args, corpus, inputs, name, tokenizers[name]) for name in names}
+    variants = {f"{name}:{tool}": run for name, runs in per_tok.items() for tool, run in runs.items()}
+    identical: dict[str, list[bool]] = {name: [] for name in names}
+
+    def check(where: str) -> None:
+        for name in names:
+            w2, ray = (os.path.join(where, f"{name}-{t}_text_document") for t in ("w2", "ray"))
+            identical[name].append(same(w2, ray))
+
+    got = alternating(variants, args.rounds, folder, "compare", check)
+    section: dict = {"rounds": args.rounds}
+    for name, runs in per_tok.items():
+        row: dict = {tool: summed(got[f"{name}:{tool}"]) for tool in runs}
+        for tool, r in row.items():
+            if tool != "ours_workers_2":
+                r["over_workers_2"] = ratio(r["docs_per_s"], row["ours_workers_2"]["docs_per_s"])
+            if tool != "ours_ray":
+                r["ray_over_this"] = ratio(row["ours_ray"]["docs_per_s"], r["docs_per_s"])
+        section[name] = {**row, "identical": all(identical[name]), "identical_rounds": identical[name]}
+    return section
 
 
 def like_for_like(args: argparse.Namespace, inputs: list[str], bpe: str, folder: str) -> dict:
@@ -209,31 +238,28 @@ def like_for_like(args: argparse.Namespace, inputs: list[str], bpe: str, folder:
     byte-for-byte check and as the rate before the piece cache."""
     if not args.datatrove_python:
         raise SystemExit("--sections bpe needs --datatrove-python (datatrove in its own venv)")
-    pipeline_env = {**os.environ, "STATEFULSET_PIECE_CACHE": "0"}
+    pipeline = ours(inputs, os.path.join(folder, "l-pipe"), bpe, ["--workers", "2"],
+                    {**os.environ, "STATEFULSET_PIECE_CACHE": "0"})  # fmt: skip
+    pipe_prefix = os.path.join(folder, "l-pipe_text_document")
+    in_folder = os.path.dirname(inputs[0])
     variants = {
-        "ours_workers_2": lambda k: ours(inputs, os.path.join(folder, f"l-w2-{k}"), bpe, ["--workers", "2"]),
-        "datatrove": lambda k: datatrove(
-            args.datatrove_python, os.path.join(folder, "in"), bpe, os.path.join(folder, f"l-dt-{k}")
-        ),
+        "ours_workers_2": _ours_run(inputs, "l-w2", bpe, ["--workers", "2"]),
+        "datatrove": lambda where: datatrove(args.datatrove_python, in_folder, bpe, os.path.join(where, "l-dt")),
     }
     if not args.no_ray:
-        variants["ours_ray"] = lambda k: ours(inputs, os.path.join(folder, f"l-ray-{k}"), bpe, ["--executor", "ray"])
-    runs: dict[str, list[dict]] = {name: [] for name in variants}
-    for k in range(args.rounds):
-        for name, run in variants.items():
-            runs[name].append(run(k))
-            print(name, k, json.dumps(runs[name][-1]), flush=True)
-    pipeline = ours(inputs, os.path.join(folder, "l-pipe"), bpe, ["--workers", "2"], pipeline_env)
-    first = os.path.join(folder, "l-w2-0_text_document")
-    row: dict = {"rounds": args.rounds}
-    row["identical_to_pipeline"] = same(first, os.path.join(folder, "l-pipe_text_document"))
-    if not args.no_ray:
-        row["identical_to_ray"] = same(first, os.path.join(folder, "l-ray-0_text_document"))
+        variants["ours_ray"] = _ours_run(inputs, "l-ray", bpe, ["--executor", "ray"])
+    checks: dict[str, list[bool]] = {"identical_to_pipeline": [], "identical_to_ray": []}
+
+    def check(where: str) -> None:
+        w2 = os.path.join(where, "l-w2_text_document")
+        checks["identical_to_pipeline"].append(same(w2, pipe_prefix))
+        if not args.no_ray:
+            checks["identical_to_ray"].append(same(w2, os.path.join(where, "l-ray_text_document")))
+
+    runs = alternating(variants, args.rounds, folder, "bpe", check)
+    row: dict = {"rounds": args.rounds, **{k: all(v) for k, v in checks.items() if v}}
     for name, got in [*runs.items(), ("ours_pipeline_workers_2", [pipeline])]:
-        docs = got[0]["documents"]
-        row[name] = {"documents": docs, "tokens": got[0]["tokens"], "seconds": summary([r["seconds"] for r in got]),
-                     "docs_per_s": summary([docs / r["seconds"] for r in got]),
-                     "cpu_ms_per_doc": summary([1e3 * r["cpu_seconds"] / docs for r in got])}  # fmt: skip
+        row[name] = summed(got)
     for name in runs:
         if name != "datatrove":
             row[f"{name}_over_datatrove"] = ratio(row[name]["docs_per_s"], row["datatrove"]["docs_per_s"])
@@ -241,120 +267,108 @@ def like_for_like(args: argparse.Namespace, inputs: list[str], bpe: str, folder:
     versions = "from importlib.metadata import version as v; print(v('datatrove'), v('tokenizers'))"
     got = subprocess.run([args.datatrove_python, "-c", versions], capture_output=True, text=True, timeout=120)
     row["datatrove_venv"] = dict(zip(("datatrove", "tokenizers"), got.stdout.split(), strict=False))
-    print("bpe", json.dumps(row), flush=True)
     return row
 
 
 def scaling(args: argparse.Namespace, inputs: list[str], bpe: str, corpus_bytes: int, folder: str) -> dict:
-    """BPE: one core (Rust threads off), two worker processes, and Ray with 2..32 tasks of equal size."""
+    """BPE: one core (Rust threads off), two worker processes, and Ray with 2..32 tasks of equal size,
+    alternating; each row's ratio to ``--workers 2`` per round."""
     one_core = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    rows = {
-        "one_core": ours(inputs, os.path.join(folder, "s-w1"), bpe, ["--workers", "1"], one_core),
-        "workers_2": ours(inputs, os.path.join(folder, "s-w2"), bpe, ["--workers", "2"]),
-    }
+    variants = {"one_core": _ours_run(inputs, "s-w1", bpe, ["--workers", "1"], one_core),
+                "workers_2": _ours_run(inputs, "s-w2", bpe, ["--workers", "2"])}  # fmt: skip
     for count in [int(c) for c in args.task_counts.split(",") if c]:
-        task_bytes = -(-corpus_bytes // count)
-        rows[f"ray_{count}_tasks"] = ours(inputs, os.path.join(folder, f"s-{count}"), bpe,
-                                          ["--executor", "ray", "--task-bytes", str(task_bytes)])  # fmt: skip
-    for value in rows.values():
-        value["docs_per_s"] = value["documents"] / value["seconds"]
-        value["tokens_per_s"] = value["tokens"] / value["seconds"]
-    print("scaling", json.dumps(rows), flush=True)
+        task_bytes = str(-(-corpus_bytes // count))
+        variants[f"ray_{count}_tasks"] = _ours_run(inputs, f"s-{count}", bpe, ["--executor", "ray", "--task-bytes",
+                                                                               task_bytes])  # fmt: skip
+    runs = alternating(variants, args.rounds, folder, "scaling")
+    rows: dict = {"rounds": args.rounds, **{name: summed(got) for name, got in runs.items()}}
+    for name in variants:
+        if name != "workers_2":
+            rows[name]["over_workers_2"] = ratio(rows[name]["docs_per_s"], rows["workers_2"]["docs_per_s"])
     return rows
 
 
-def render(results: dict, large: dict | None) -> str:
-    """The markdown tables of docs/benchmarks.md from the saved figures."""
-    names = {"ours_workers_2": "statefulset `--workers 2`", "ours_ray": "statefulset `--executor ray` (local Ray)",
-             "datatrove": "datatrove `MegatronDocumentTokenizer`, 8 tasks, 2 workers",
-             "preprocess_data_py": "`preprocess_data.py` loop, 2 workers"}  # fmt: skip
-    out = [
-        "| tokenizer | tool | s | docs/s | tokens/s | vs `--workers 2` | Ray vs this |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for tok, row in results["rows"].items():
-        if tok == "provenance":
-            continue
-        base = row["ours_workers_2"]["docs_per_s"]
-        for key, label in names.items():
-            if key in row:
-                r = row[key]
-                ray = row["ours_ray"]["docs_per_s"] / r["docs_per_s"]
-                rate = f"{r['tokens_per_s'] / 1e6:.2f}M"
-                ratio = f"{ray:.2f}x"
-                if key == "datatrove" and tok == "bytes":  # its byte-level BPE pipeline against our str.encode
-                    label += " (a `tokenizers` pipeline: not the same tokenizer as ours)"
-                    ratio = f"{ray:.2f}x, not like for like"
-                out.append(f"| {tok} | {label} | {r['seconds']:.1f} | {r['docs_per_s']:,.0f} | {rate} | "
-                           f"{r['docs_per_s'] / base:.2f}x | {ratio} |")  # fmt: skip
-    if large:
-        row = large["rows"]["bpe"]
-        w2, ray = row["ours_workers_2"], row["ours_ray"]
-        out += ["", f"{large['docs']:,} documents ({large['corpus_bytes'] / 1e6:,.0f} MB), BPE: `--workers 2` "
-                f"{w2['seconds']:.1f} s, `--executor ray` {ray['seconds']:.1f} s: Ray at "
-                f"{row['ray_over_workers_2']:.2f}x; outputs identical: {row['identical']}."]  # fmt: skip
-    scale = results.get("scaling_bpe", {})
-    if scale:
-        out += ["", f"| BPE, {results['docs']:,} documents | s | docs/s | tokens/s | peak task memory |",
-                "|---|---|---|---|---|"]  # fmt: skip
-    for key, r in scale.items():
-        if key == "provenance":
-            continue
-        mem = f"{r['peak_task_mib']} MiB" if "peak_task_mib" in r else "-"
-        out.append(f"| {key.replace('_', ' ')} | {r['seconds']:.1f} | {r['docs_per_s']:,.0f} | "
-                   f"{r['tokens_per_s'] / 1e6:.2f}M | {mem} |")  # fmt: skip
-    if results.get("memory"):
-        out += ["", "| memory: input (bytes tokenizer, Ray) | input bytes | peak task memory |", "|---|---|---|"]
-    for key, r in results.get("memory", {}).items():
-        if key == "provenance":
-            continue
-        out.append(f"| {key} | {r['input_bytes']:,} | {r['peak_task_mib']} MiB |")
-    m = results.get("merge")
-    if m:
-        out += ["", f"Merge alone: {m['bytes']:,} bytes in {m['seconds']:.2f} s ({m['gb_per_s']:.2f} GB/s)."]
-    return "\n".join(out)
+def memory_rows(args: argparse.Namespace, corpus: str, folder: str) -> dict:
+    """Peak memory of the Ray workers, bytes tokenizer, one task: a tiny file, the corpus plain and gzipped
+    (one unit, so one task streams all of it), alternating. It should not follow the input's size."""
+    tiny = os.path.join(folder, "tiny.jsonl")
+    with open(corpus, "rb") as f, open(tiny, "wb") as out:
+        out.writelines(line for _, line in zip(range(100), f, strict=False))
+    packed = os.path.join(folder, "corpus.jsonl.gz")
+    with open(corpus, "rb") as f, gzip.open(packed, "wb", compresslevel=1) as out:
+        shutil.copyfileobj(f, out)
+    paths = {"tiny": tiny, "plain": corpus, "gzip": packed}
+    one_task = ["--executor", "ray", "--task-bytes", str(64 << 30)]
+    variants = {name: _ours_run([path], f"mem-{name}", "bytes", one_task) for name, path in paths.items()}
+    runs = alternating(variants, args.rounds, folder, "memory")
+    rows = {name: {**summed(runs[name]), "input_bytes": os.path.getsize(paths[name])} for name in paths}
+    return {"rounds": args.rounds, **rows}
 
 
-BPE_COMMAND = (
-    "python benchmarks/bench_preprocess_ray.py --sections bpe --tokenizers bpe --rounds 3 "
-    "--datatrove-python /path/to/datatrove-venv/bin/python --out bench_preprocess_ray_bpe.json"
-)
+def task_overhead(args: argparse.Namespace, inputs: list[str], folder: str) -> dict:
+    """Ray's cost per task: the bytes job in tasks of 1 MB and of 100 KB, alternating; the per-round
+    difference of seconds over the difference of task counts."""
+    from statefulset.tools.part_tasks import plan
+
+    sizes = {"few": 1_000_000, "many": 100_000}
+    counts = {name: len(plan(inputs, ("text",), size)) for name, size in sizes.items()}
+    variants = {name: _ours_run(inputs, f"t-{name}", "bytes", ["--executor", "ray", "--task-bytes", str(size)])
+                for name, size in sizes.items()}  # fmt: skip
+    runs = alternating(variants, args.rounds, folder, "tasks")
+    extra = [1e3 * (m["seconds"] - f["seconds"]) / (counts["many"] - counts["few"])
+             for f, m in zip(runs["few"], runs["many"], strict=True)]  # fmt: skip
+    rows = {name: {**summed(runs[name]), "task_bytes": sizes[name], "tasks": counts[name]} for name in sizes}
+    return {"rounds": args.rounds, **rows, "ms_per_extra_task": summary(extra)}
 
 
-def _mmm(stat: dict, form: str) -> str:
-    if stat["min"] == stat["max"]:
-        return format(stat["median"], form)
-    return f"{format(stat['median'], form)} ({format(stat['min'], form)}–{format(stat['max'], form)})"
+def merge_rate(args: argparse.Namespace, inputs: list[str], folder: str) -> dict:
+    """The final merge alone, ``--rounds`` times: the bytes output copied through ``merge_datasets`` (page
+    cache warm)."""
+    from statefulset.shards.merge import merge_datasets
+
+    prefix = os.path.join(folder, "merge-in")
+    ours(inputs, prefix, "bytes", ["--workers", "2"])
+    prefix += "_text_document"
+    size = os.path.getsize(prefix + ".bin") + os.path.getsize(prefix + ".idx")
+    seconds = []
+    for _ in range(args.rounds):
+        target = os.path.join(folder, "merged_text_document")
+        began = time.perf_counter()
+        merge_datasets([prefix], target)
+        seconds.append(time.perf_counter() - began)
+        for ext in (".bin", ".idx"):
+            os.remove(target + ext)
+    return {"rounds": args.rounds, "bytes": size, "seconds": summary(seconds),
+            "gb_per_s": summary([size / s / 1e9 for s in seconds])}  # fmt: skip
 
 
-def render_bpe(record: dict) -> str:
-    """The like-for-like table (``--sections bpe``): one ``tokenizer.json`` on both sides."""
-    row = record["bpe"]
-    names = {"ours_workers_2": "statefulset `--workers 2`", "ours_ray": "statefulset `--executor ray` (local Ray)",
-             "datatrove": "datatrove `MegatronDocumentTokenizer`, 8 tasks, 2 workers",
-             "ours_pipeline_workers_2": "statefulset `--workers 2`, every text through `tokenizers`' pipeline "
-                                        "(`STATEFULSET_PIECE_CACHE=0`), one run"}  # fmt: skip
-    venv = row.get("datatrove_venv", {})
-    dt = f"datatrove {venv.get('datatrove', '?')} with tokenizers {venv.get('tokenizers', '?')} in its own venv"
-    out = [f"{record['docs']:,} documents ({record['corpus_bytes'] / 1e6:,.0f} MB), BPE, median (min–max) of "
-           f"{row['rounds']} alternating rounds, every row a fresh process; {dt}:", "",
-           "| tool | s | docs/s | CPU ms per document | ÷ datatrove (docs/s, per round) |",
-           "|---|---|---|---|---|"]  # fmt: skip
-    base = row["datatrove"]["docs_per_s"]["median"]
-    for key, label in names.items():
-        if key not in row:
-            continue
-        r, q = row[key], row.get(f"{key}_over_datatrove")
-        over = _mmm(q, ".2f") + "x" if q else f"{r['docs_per_s']['median'] / base:.2f}x"
-        cpu = _mmm(r["cpu_ms_per_doc"], ".2f") + (" (Ray's own processes may be missed)" if key == "ours_ray" else "")
-        out.append(f"| {label} | {_mmm(r['seconds'], '.1f')} | {_mmm(r['docs_per_s'], ',.0f')} | {cpu} | {over} |")
-    best = row["ours_workers_2_over_datatrove"]["median"]
-    same = [f"with the pipeline: {row['identical_to_pipeline']}"]
-    same += [f"with `--executor ray`: {row['identical_to_ray']}"] if "identical_to_ray" in row else []
-    out += ["", f"Target ≥ 1.5× datatrove's documents/s with the same `tokenizer.json`: "
-            f"**{'met' if best >= 1.5 else 'missed'}** ({best:.2f}× with `--workers 2`). "
-            f"Outputs byte for byte identical {', '.join(same)}."]  # fmt: skip
-    return "\n".join(out)
+def sections(args: argparse.Namespace, corpus: str, folder: str) -> dict:
+    """Run the sections of ``--sections`` in order, each stamped as it finishes, with its wall seconds."""
+    corpus_bytes = os.path.getsize(corpus)
+    bpe_path = os.path.join(folder, "bpe.json")
+    tokenizers = {"bytes": ("bytes", os.path.join(folder, "bytes.json")), "bpe": (bpe_path, bpe_path)}
+    train_tokenizer(corpus, bpe_path)
+    byte_tokenizer(tokenizers["bytes"][1])
+    inputs = split(corpus, os.path.join(folder, "in"), 8)
+    for path in [*inputs, corpus]:  # warm the page cache
+        with open(path, "rb") as f:
+            f.read()
+    makers = {
+        "compare": ("rows", lambda: compare(args, corpus, inputs, tokenizers, folder)),
+        "bpe": ("bpe", lambda: like_for_like(args, inputs, bpe_path, folder)),
+        "scaling": ("scaling_bpe", lambda: scaling(args, inputs, bpe_path, corpus_bytes, folder)),
+        "memory": ("memory", lambda: memory_rows(args, corpus, folder)),
+        "tasks": ("tasks", lambda: task_overhead(args, inputs, folder)),
+        "merge": ("merge", lambda: merge_rate(args, inputs, folder)),
+    }
+    results: dict = {}
+    for name in args.sections.split(","):
+        key, make = makers[name]
+        began = time.perf_counter()
+        section = make()
+        results[key] = stamp({**section, "wall_seconds": round(time.perf_counter() - began, 1)}, EXTRA)
+        print(name, json.dumps(results[key]), flush=True)
+    return results
 
 
 def main() -> None:
@@ -362,55 +376,32 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=100_000)
     parser.add_argument("--datatrove-python", default=os.environ.get("DATATROVE_PYTHON", ""))
     parser.add_argument("--tokenizers", default="bytes,bpe")
-    parser.add_argument("--sections", default="compare,scaling,memory,merge")
-    parser.add_argument("--task-counts", default="2,4,8,16,32", help="Ray tasks for the scaling rows (BPE)")
+    parser.add_argument("--sections", default="compare,scaling,memory,tasks,merge", help="also: bpe")
+    parser.add_argument("--task-counts", default="2,8,32", help="Ray tasks for the scaling rows (BPE)")
     parser.add_argument("--only-ours", action="store_true", help="compare: ours --workers 2 and Ray only")
-    parser.add_argument("--rounds", type=int, default=3, help="bpe: alternating rounds (median and spread)")
+    parser.add_argument("--rounds", type=int, default=MIN_RUNS, help="alternating rounds of every section")
     parser.add_argument("--no-ray", action="store_true", help="bpe: leave out ours --executor ray")
     parser.add_argument("--out", default="bench_preprocess_ray.json", help="file name under benchmarks/results")
     parser.add_argument("--render", action="store_true", help="print the markdown tables of the saved figures")
-    parser.add_argument("--quick", action="store_true", help="2,000 documents, compare and merge only")
+    parser.add_argument("--quick", action="store_true", help="2,000 documents, one round (a smoke run, no figure)")
     args = parser.parse_args()
     if args.render:
-        with open(os.path.join(HERE, "results", "bench_preprocess_ray.json")) as f:
-            results = json.load(f)
-        large_path = os.path.join(HERE, "results", "bench_preprocess_ray_400k.json")
-        large = json.load(open(large_path)) if os.path.exists(large_path) else None  # noqa: SIM115
-        print(render(results, large))
+        large = load("bench_preprocess_ray_400k")
+        print(render(load("bench_preprocess_ray"), large))
         return
     if args.quick:
-        args.docs, args.tokenizers, args.task_counts = 2_000, "bytes,bpe", "2"
-        args.sections = "compare,merge"
-    sections = args.sections.split(",")
+        args.docs, args.task_counts, args.rounds = 2_000, "2", 1
+    elif args.rounds < MIN_RUNS:
+        raise SystemExit(f"--rounds {args.rounds}: a figure needs at least {MIN_RUNS} alternating rounds")
     corpus = ensure_corpus(args.docs)["path"]
-    corpus_bytes = os.path.getsize(corpus)
     # A file holds one run: sections not run now are absent, never carried over from an older run.
-    results: dict = {"docs": args.docs, "corpus_bytes": corpus_bytes, "cpus": os.cpu_count(), "sections": sections}
+    results: dict = {"docs": args.docs, "corpus_bytes": os.path.getsize(corpus), "cpus": os.cpu_count(),
+                     "sections": args.sections.split(","), "command": " ".join(sys.argv[1:])}  # fmt: skip
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        bpe_path = os.path.join(folder, "bpe.json")
-        tokenizers = {"bytes": ("bytes", os.path.join(folder, "bytes.json")), "bpe": (bpe_path, bpe_path)}
-        train_tokenizer(corpus, bpe_path)
-        byte_tokenizer(tokenizers["bytes"][1])
-        inputs = split(corpus, os.path.join(folder, "in"), 8)
-        for path in [*inputs, corpus]:  # warm the page cache
-            with open(path, "rb") as f:
-                f.read()
-        if "compare" in sections:
-            results["rows"] = stamp(compare(args, corpus, inputs, tokenizers, folder), EXTRA)
-        if "bpe" in sections:
-            results["bpe"] = stamp(like_for_like(args, inputs, bpe_path, folder), EXTRA)
-        if "scaling" in sections:
-            results["scaling_bpe"] = stamp(scaling(args, inputs, bpe_path, corpus_bytes, folder), EXTRA)
-        if "memory" in sections:
-            results["memory"] = stamp(memory_rows(corpus, folder), EXTRA)
-            print("memory", json.dumps(results["memory"]), flush=True)
-        if "merge" in sections:
-            prefix = os.path.join(folder, "bytes-w2")
-            if not os.path.exists(prefix + "_text_document.bin"):
-                ours(inputs, prefix, "bytes", ["--workers", "2"])
-            results["merge"] = stamp(merge_rate(prefix + "_text_document", folder), EXTRA)
-            print("merge", json.dumps(results["merge"]), flush=True)
-    write_results(args.out, results, EXTRA, quick=args.quick)
+        results.update(sections(args, corpus, folder))
+    results["wall_seconds"] = round(time.perf_counter() - began, 1)
+    print("wrote", write_results(args.out, results, EXTRA, quick=args.quick))
 
 
 if __name__ == "__main__":

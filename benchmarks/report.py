@@ -71,7 +71,7 @@ def object_storage(record: dict) -> str:
 
 @from_results("bench_preprocess_ray")
 def preprocess_ray(record: dict) -> str:
-    from bench_preprocess_ray import render
+    from preprocess_ray_tables import render
 
     return render(record, load("bench_preprocess_ray_400k")) + "\n"
 

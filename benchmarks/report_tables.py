@@ -58,7 +58,7 @@ def _mmm(stat: dict, scale: float = 1.0, digits: int = 2) -> str:
 
 def preprocess_bpe() -> str:
     """The like-for-like preprocessing row: one tokenizer.json for ours and datatrove (``--sections bpe``)."""
-    from bench_preprocess_ray import BPE_COMMAND, render_bpe
+    from preprocess_ray_tables import BPE_COMMAND, render_bpe
 
     record = load("bench_preprocess_ray_bpe")
     if record is None:

@@ -83,7 +83,7 @@ SCRIPTS: dict[str, list[str]] = {
 NOT_SCRIPTS = {
     "anchor_datatrove_tokenize.py", "anchor_olmo_packing.py", "benchenv.py", "corpus.py", "jsonl_corpus.py",
     "plots.py", "provenance.py", "report.py", "report_tables.py", "run_all.py", "campaign.py",
-    "store_capacity.py", "process_cpu.py", "object_storage_table.py",
+    "store_capacity.py", "process_cpu.py", "object_storage_table.py", "preprocess_ray_tables.py",
 }  # fmt: skip
 
 
