@@ -13,8 +13,9 @@ on 127.0.0.1. Tests and benchmarks steer it while it runs with requests to the p
   503 SlowDown to a data request that arrives while k others are in flight (a store that throttles
   above a concurrency it can serve; 0: no limit); ``serial=1`` serves one data request at a time
   (a one-thread server: the others queue, their time counts against the client's timeouts);
-- ``GET /__proxy__/stats`` answers JSON ``{"requests": n, "ranged": n, "bytes": n, "503s": n, "agents": {...}}``
-  (data requests so far, those with a Range header, body bytes returned, 503s answered, and the
+- ``GET /__proxy__/stats`` answers JSON ``{"requests": n, "ranged": n, "pinned": n, "bytes": n, "503s": n,
+  "agents": {...}}`` (data requests so far, those with a Range header, those of them with an
+  If-Match header, body bytes returned, 503s answered, and the
   ranged ones by client: the User-Agent's first product name, e.g. ``object_store``, ``aiobotocore``);
 - ``GET /__proxy__/reset`` zeroes the counters and the faults.
 
@@ -35,7 +36,7 @@ STATE = {
 }  # fmt: skip
 INFLIGHT = [0]
 _SERIAL: list[asyncio.Lock] = []
-STATS: dict = {"requests": 0, "ranged": 0, "bytes": 0, "503s": 0, "most_inflight": 0, "agents": {}}
+STATS: dict = {"requests": 0, "ranged": 0, "pinned": 0, "bytes": 0, "503s": 0, "most_inflight": 0, "agents": {}}
 
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -86,7 +87,7 @@ def _control(target: str) -> bytes:
             STATE[key] = float(values[0]) if key == "latency" else int(values[0])
     elif url.path == "/__proxy__/reset":
         STATE.update({key: 0 for key in STATE}, latency=0.0)
-        STATS.update(requests=0, ranged=0, bytes=0, most_inflight=0, agents={}, **{"503s": 0})
+        STATS.update(requests=0, ranged=0, pinned=0, bytes=0, most_inflight=0, agents={}, **{"503s": 0})
     return _response("200 OK", json.dumps({**STATE, **STATS}).encode())
 
 
@@ -165,6 +166,7 @@ async def _serve(upstream_port: int, reader: asyncio.StreamReader, writer: async
             STATS["requests"] += 1
             STATS["ranged"] += "range" in headers
             if "range" in headers:
+                STATS["pinned"] += "if-match" in headers
                 agent = headers.get("user-agent", "").split("/", 1)[0] or "?"
                 STATS["agents"][agent] = STATS["agents"].get(agent, 0) + 1
             INFLIGHT[0] += 1

@@ -19,7 +19,7 @@ import boto3
 import numpy
 import pytest
 import torch
-from s3_servers import moto_server, upload
+from s3_servers import moto_server, proxy, upload
 
 from statefulset import (
     IndexedDatasetWriter,
@@ -29,6 +29,7 @@ from statefulset import (
     get_train_dataset,
     open_stream,
 )
+from statefulset.shards.remote import RemoteFile
 
 BUCKET = "pinned"
 
@@ -104,6 +105,34 @@ def test_an_object_overwritten_mid_run_is_a_named_error_never_other_tokens(clien
     with pytest.raises(StatefulsetError, match=changed):  # the worker reads ahead a bounded number of batches
         for _ in range(200):
             assert torch.equal(next(it)["text"], next(reference)["text"])  # the original's, until the error
+
+
+def test_obstore_ranged_reads_carry_the_opened_etag_and_refuse_another_version(server, tmp_path, monkeypatch):
+    """Issue 26: obstore's ranged GETs are one ``get_range_async`` each, ``If-Match`` carried by the
+    store opened for the object's version (its default headers) instead of ``get_async``'s options.
+    Every ranged GET still carries it, through obstore, and the store refuses another version; a file
+    opened after the change reads the new one."""
+    monkeypatch.setenv("STATEFULSET_S3_CLIENT", "obstore")
+    original = numpy.random.default_rng(5).bytes(1 << 20)
+    (tmp_path / "object").write_bytes(original)
+    (tmp_path / "other").write_bytes(bytes(255 - b for b in original))
+    upload(server, BUCKET, {"one-future/object": str(tmp_path / "object")})
+    url = f"s3://{BUCKET}/one-future/object"
+    offsets, sizes = [700_000, 0, 300_000, 300_100], [4096, 64, 100, 2]  # 1 to 3 requests (the merge gap)
+    with proxy(server) as p:
+        options = {**server.options(), "endpoint_url": p.endpoint}
+        opened = RemoteFile(url, options)
+        p.reset()
+        assert opened.read_ranges(offsets, sizes) == [original[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+        stats = p.stats()
+        assert stats["ranged"] == stats["pinned"] == stats["agents"]["object_store"] == opened.requests > 0
+        upload(server, BUCKET, {"one-future/object": str(tmp_path / "other")})
+        with pytest.raises(StatefulsetError, match=rf"{url}: changed since it was opened \(opened as ETag"):
+            opened.read_ranges(offsets, sizes)
+        reopened = RemoteFile(url, options)
+        assert reopened.read(300_000, 100) == bytes(255 - b for b in original[300_000:300_100])
+        stats = p.stats()
+        assert stats["ranged"] == stats["pinned"] == stats["agents"]["object_store"] > opened.requests  # all pinned
 
 
 def test_a_local_bin_replaced_under_a_job_is_a_named_error_at_worker_start_and_reopen(shard, tmp_path):

@@ -190,8 +190,10 @@ def client_settings(options: dict[str, Any], endpoint: str | None) -> tuple[dict
     return config, client
 
 
-def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
-    """``(store, key)`` for an ``s3://bucket/key`` URL."""
+def open_store(url: str, storage_options: dict[str, Any] | None, etag: str = "") -> tuple[Any, str]:
+    """``(store, key)`` for an ``s3://bucket/key`` URL; with ``etag``, a store pinned to that version of
+    the object: every request it sends carries ``If-Match: <etag>`` (its client's default headers), so
+    a GET of another version is refused (412) by the store itself. Such a store serves this one object."""
     import botocore.session
     from obstore.auth.boto3 import Boto3CredentialProvider
     from obstore.store import S3Store
@@ -208,6 +210,8 @@ def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
         config["endpoint"] = found
     extra_config, client_options = client_settings(options, found)
     config.update(extra_config)
+    if etag:
+        client_options["default_headers"] = {"If-Match": etag}
     provider = None
     if options.get("anon"):
         config["skip_signature"] = True
@@ -228,9 +232,15 @@ def open_store(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, s
     return store, key
 
 
-def gets(store: Any, key: str, etag: str, starts: list[int], ends: list[int]) -> list[Callable[[], Awaitable[bytes]]]:
-    """One ranged GET per ``[start, end)`` through obstore, pinned to ``etag`` (``If-Match``) when given;
-    run them with :func:`statefulset.shards.ranged_reads.run`."""
+def gets(store: Any, key: str, starts: list[int], ends: list[int]) -> list[Callable[[], Awaitable[bytes]]]:
+    """One ranged GET per ``[start, end)`` through obstore, each one awaitable (``get_range_async``: the
+    request and its body in one Rust future); ``store`` from :func:`open_store`, pinned to the ETag
+    recorded at open. Run them with :func:`statefulset.shards.ranged_reads.run`.
+
+    ``get_range_async`` takes no options, so ``If-Match`` rides on the pinned store's default headers.
+    The alternative, ``get_async`` with ``If-Match`` among its options and then ``bytes_async``, makes
+    two futures per request, each handed back to the event loop from tokio's threads: issue 26 measured
+    it at about 40% more client CPU per request than one future, at 32 requests in flight."""
     import obstore
 
     global _started_in
@@ -240,11 +250,7 @@ def gets(store: Any, key: str, etag: str, starts: list[int], ends: list[int]) ->
         async def get() -> bytes:
             if end <= start:
                 return b""
-            options: dict[str, Any] = {"range": (start, end)}
-            if etag:
-                options["if_match"] = etag
-            result = await obstore.get_async(store, key, options=options)
-            return bytes(await result.bytes_async())
+            return bytes(await obstore.get_range_async(store, key, start=start, end=end))
 
         return get
 

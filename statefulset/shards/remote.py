@@ -191,7 +191,7 @@ class RemoteFile:
     def _object_store(self) -> Any:
         if self._store_pid != os.getpid():
             try:
-                self._store, self._key = obstore_client.open_store(self.url, self.storage_options)
+                self._store, self._key = obstore_client.open_store(self.url, self.storage_options, self.etag)
             except ValueError as exc:  # the boto3 credential provider found no credentials
                 raise describe(self.url, exc) from exc
             self._store_pid = os.getpid()
@@ -253,7 +253,7 @@ class RemoteFile:
         requests, which = coalesce(offsets, sizes, gap)
         starts, ends = [r[0] for r in requests], [r[1] for r in requests]
         if fast:
-            gets = obstore_client.gets(store, self._key, self.etag, starts, ends)
+            gets = obstore_client.gets(store, self._key, starts, ends)
         else:
             gets = ranged_reads.s3fs_gets(fs, path, self.etag, starts, ends)
         self.requests += len(gets)
