@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-import numpy
 import pytest
+from corpora import write_sources
 
-from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.index import compiled
 from statefulset.loading.compiled_read import CONTROL, CompiledRead
 
@@ -23,15 +23,7 @@ SEQ, BATCH = 16, 4
 
 @pytest.fixture(scope="module")
 def prefixes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("compiled-read")
-    rng = numpy.random.default_rng(7)
-    found = []
-    for s, name in enumerate(("web", "code")):
-        found.append(str(root / name))
-        with IndexedDatasetWriter(found[-1], numpy.uint16) as w:
-            for _ in range(150 + 50 * s):
-                w.add_document(rng.integers(0, 60000, int(rng.integers(4, 50))))
-    return found
+    return write_sources(tmp_path_factory.mktemp("compiled-read"), {"web": 150, "code": 200}, seed=7)
 
 
 @pytest.fixture

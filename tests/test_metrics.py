@@ -17,6 +17,7 @@ from collections import Counter
 import numpy
 import pytest
 import torch
+from corpora import write_sources
 from ranks import init_rank, spawn
 from s3_servers import moto_server, proxy, upload
 
@@ -31,16 +32,8 @@ NAMES = ("web", "code", "math")
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    root = tmp_path_factory.mktemp("metrics")
-    rng = numpy.random.default_rng(3)
-    out = {}
-    for s, name in enumerate(NAMES):
-        prefix = str(root / name)
-        with IndexedDatasetWriter(prefix, numpy.uint16) as w:
-            for _ in range(120 + 30 * s):
-                w.add_document(rng.integers(0, 60000, int(rng.integers(4, 60))))
-        out[name] = prefix
-    return out
+    sizes = {name: 120 + 30 * s for s, name in enumerate(NAMES)}
+    return dict(zip(NAMES, write_sources(tmp_path_factory.mktemp("metrics"), sizes, seed=3, longest=60), strict=True))
 
 
 def _spec(shards, cache) -> dict:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import numpy
 import pytest
+from corpora import write_sources
 
-from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.index import compiled
 from statefulset.shards import storage_stats
 from statefulset.streams.standing import weights_at
@@ -26,14 +27,7 @@ SEQ, BATCH = 16, 4
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
     root = tmp_path_factory.mktemp("incremental")
-    rng = numpy.random.default_rng(5)
-    prefixes = []
-    for s, name in enumerate(("web", "code", "math")):
-        prefixes.append(str(root / name))
-        with IndexedDatasetWriter(prefixes[-1], numpy.uint16) as w:
-            for _ in range(100 + 40 * s):
-                w.add_document(rng.integers(0, 60000, int(rng.integers(4, 50))))
-    web, code, math = prefixes
+    web, code, math = write_sources(root, {"web": 100, "code": 140, "math": 180}, seed=5)
     stages = [(0, {web: 0.7, code: 0.3}), (96, {web: 0.2, code: 0.3, math: 0.5}), (300, {math: 1.0, web: 1.0})]
     return {
         "seq_length": SEQ, "split": "1", "packing": "native", "seed": 4, "path_to_cache": str(root / "cache"),

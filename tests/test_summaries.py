@@ -14,22 +14,17 @@ import sys
 import numpy
 import pytest
 import yaml
-
-from statefulset import IndexedDatasetWriter
+from corpora import write_sources
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("summaries")
-    rng = numpy.random.default_rng(2)
-    prefixes = []
-    for s, name in enumerate(("web", "code")):
-        prefix = str(root / name)
-        with IndexedDatasetWriter(prefix, numpy.int32) as w:
-            for d in range(200):
-                w.add_document(s * 10**6 + d * 100 + numpy.arange(int(rng.integers(4, 60))))
-        prefixes.append(prefix)
-    return root, prefixes
+
+    def document(rng, s, d):  # tokens that name their source and document
+        return s * 10**6 + d * 100 + numpy.arange(int(rng.integers(4, 60)))
+
+    return root, write_sources(root, {"web": 200, "code": 200}, seed=2, document=document, dtype=numpy.int32)
 
 
 def _write(root, name, spec):
