@@ -220,10 +220,48 @@ def metrics(record: dict) -> str:
         rows.append(f"| {size} | {_mmm(b['never_read'], digits=0)} | {_mmm(b['read_every_step'], digits=0)} "
                     f"| {_mmm(b['read_every_10_steps'], digits=0)} | {q['read_every_step']:.3f} "
                     f"| {q['read_every_10_steps']:.3f} | {_mmm(r['paired_ratio'])} | {tenth} |")  # fmt: skip
+    rows += metrics_cpu(record)
     call = record["call_us"]
     rows += ["", f"One `metrics()` read alone: {_mmm(call['metrics_us'], digits=1)} µs; `across_ranks=True` on one "
                  f"rank {_mmm(call['metrics_across_ranks_us'], digits=1)} µs."]  # fmt: skip
     return "\n".join(rows) + "\n"
+
+
+def metrics_cpu(record: dict) -> list[str]:
+    """The same blocks' CPU time (bench_metrics.paired): on / off throughput when CPU bounds it, trainer alone and
+    trainer + workers, for reading every step, every 10th, and counting against a loop without it; then what a
+    read costs inside the loop and the ratios that cost and counting's give (bench_metrics.accounted)."""
+    if not all("paired" in r for r in record["sizes"].values()):  # runs before the CPU time was recorded
+        return ["", "CPU time of the paired blocks: not measured in this results file."]
+    rows = ["", "The same alternating blocks by CPU time (µs a batch are the off side's, the median block's; ratios "
+            "are on ÷ off throughput when that CPU time bounds it: off CPU ÷ on CPU):", "",
+            "| batch | CPU µs a batch: trainer / + workers | every step ÷ never: trainer / + workers "
+            "| every 10th ÷ never: trainer / + workers | counting on ÷ off: trainer / + workers |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for size, r in record["sizes"].items():
+        p = r["paired"]
+        cpu = f"{_mmm(p['read_every_step']['off_trainer_cpu_us_per_batch'], digits=1)} / " + _mmm(
+            p["read_every_step"]["off_total_cpu_us_per_batch"], digits=1
+        )
+        cells = [f"{_mmm(p[k]['trainer_cpu'], digits=3)} / {_mmm(p[k]['total_cpu'], digits=3)}"
+                 for k in ("read_every_step", "read_every_10_steps", "counting")]  # fmt: skip
+        rows.append(f"| {size} | {cpu} | " + " | ".join(cells) + " |")
+    if not all("accounted" in r for r in record["sizes"].values()):
+        return rows
+    counting = record["call_us"]["counting_ns"]
+    rows += ["", f"Accounted: a read's trainer CPU inside the loop, read every 1, 10 or 100 batches (the "
+             "trainer thread's CPU time around each read less an empty bracket's; medians of the runs), and "
+             f"counting's ({_mmm(counting, digits=0)} ns a batch alone), against the CPU µs a batch above: on ÷ off "
+             "throughput when the trainer's CPU / all CPU bounds it:", "",
+             "| batch | a read in the loop, µs: every step / 10th / 100th | read every step | every 10th | every 100th "
+             "| counting on ÷ off |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for size, r in record["sizes"].items():
+        a, n = r["accounted"], ("1", "10", "100")
+        reads = " / ".join(f"{r['read_in_loop_us'][f'every_{k}_steps']['median']:.2f}" for k in n)
+        cells = [" / ".join(f"{a[f'read_every_{k}_steps'][f]:.3f}" for f in ("trainer", "total")) for k in n]
+        cells.append(f"{a['counting']['trainer']:.3f} / {a['counting']['total']:.3f}")
+        rows.append(f"| {size} | {reads} | " + " | ".join(cells) + " |")
+    return rows
 
 
 @from_results("bench_loss_masks")
