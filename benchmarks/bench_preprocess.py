@@ -434,7 +434,9 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=DEFAULT_DOCS, help=f"documents (default {DEFAULT_DOCS:,})")
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts (default 1,2)")
     parser.add_argument("--tokenizers", default=",".join(TOKENIZERS), help="bytes, hf or both (default)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median is the headline (default 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per configuration; the median is the headline (default 3)"
+    )
     parser.add_argument("--train-docs", type=int, default=20_000, help="documents to train the BPE on")
     parser.add_argument("--vocab-size", type=int, default=32_000, help="BPE vocabulary size (default 32,000)")
     parser.add_argument("--out-dir", default=OUT_DIR, help="where everything goes (default benchmarks/out)")
