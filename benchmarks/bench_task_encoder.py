@@ -5,8 +5,9 @@ micro-batch 8 x 2049 tokens, seed 3, 2 workers) for ``--batches`` batches after 
 the workers are started and warm):
 
 - ``none``: no task encoder (batches travel through the shared-memory ring);
-- ``identity``: ``encode_sample`` returns its sample; collated by the loader, and the bundle travels
-  as one shared-memory block (statefulset.loading.encoded);
+- ``identity``: ``encode_sample`` returns its sample; the worker gathers the rows into its ring slot
+  (``text`` as int64, the dtype the encoder sees) and the kept samples' rows are already there
+  (statefulset.loading.encoded_ring);
 - ``identity_keyed``: the same under ``@stateless(restore_seeds=True)`` (the three global RNGs
   saved, seeded and restored per sample);
 - ``rng``: ``encode_sample(self, sample, rng)`` drawing one number from the keyed generator;

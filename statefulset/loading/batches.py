@@ -126,15 +126,27 @@ class BatchSource(IterableDataset):
             for t in numbers:
                 yield t, None  # built by the caller, straight into its buffer
 
-    def encoded(self, t: int, rows: Any, ring: BatchRing | None = None) -> Any:
+    def encoded(self, t: int, rows: Any, ring: BatchRing | None = None, home: tuple[Any, int] | None = None) -> Any:
         """Batch ``t`` through the task encoder (``rows``: its fields, a future of them, or None to build).
 
         With the worker's ``ring``: the global RNG states are the caller's to put back (once per
         hand-off), and samples that keep the dataset's layout come back :class:`Staged` for the ring.
+        ``home``: ``(view, i)``, the slot (``ring.view``, its stamps begun) and the place in it where the
+        batch goes: the rows are gathered there (int64 ``text``: :func:`make_ring`) and the encoder gets
+        views of them, so rows it kept (or changed in place) are already in the slot.
         """
         positions = self.cursor.positions(t)
         wrapped = positions % self.wrap if self.wrap else positions  # self.positions(t)
-        fields = rows.result() if rows is not None else self._build(t, positions=wrapped)
+        target = None if home is None else {name: array[home[1]] for name, array in home[0].items()}
+        slot_rows = None if target is None else dict(target)  # the slot's own arrays, whatever replaces them
+        if rows is None:
+            fields = self._build(t, out=target, positions=wrapped)
+        else:
+            fields = rows.result()
+            if target is not None:  # read ahead (remote data): copied into the slot
+                for name, value in fields.items():
+                    target[name][...] = value
+                fields = target
         sources = source_prefixes(self.stream, wrapped)
         if ring is None:
             return self.encoder.micro_batch(fields, positions, sources)
@@ -143,12 +155,12 @@ class BatchSource(IterableDataset):
         if self.encoder.encode_in_place(fields, positions):  # FillInTheMiddle's compiled path: rows changed in place
             found = staged([], ring.fields, positions, fields, kept=True)
             if found is not None:
-                return found
+                return found.placed(home, slot_rows)
             return self.encoder.batched(self.encoder.as_samples(fields, positions, sources), int(positions[0]))
         views = {name: list(values) for name, values in fields.items()}  # each row's view, made at once
         samples, kept = self.encoder.encode_rows(views, positions, sources)
         found = staged(samples, ring.fields, positions, fields, views, kept)
-        return found if found is not None else self.encoder.batched(samples, int(positions[0]))
+        return found.placed(home, slot_rows) if found is not None else self.encoder.batched(samples, int(positions[0]))
 
     def _serve_encoded(self, ring: BatchRing, worker: int, workers: int) -> Iterator[tuple[Any, ...]]:
         """A worker's encoded micro-batches, a bundle at a time: through the ring when they keep its
@@ -166,7 +178,10 @@ class BatchSource(IterableDataset):
                 if pending and t != pending[0][0] + len(pending):  # the next bundle began: send this one
                     yield self._send_encoded(ring, worker, bundles, pending, saved, arena)
                     pending, bundles = [], bundles + 1
-                pending.append((t, self.encoded(t, rows, ring)))
+                view = ring.view(worker, bundles % ring.slots)
+                if not pending:
+                    ring.begin(worker, bundles % ring.slots, t)  # before its rows are gathered into the slot
+                pending.append((t, self.encoded(t, rows, ring, (view, len(pending)))))
                 if len(pending) == ring.bundle:
                     yield self._send_encoded(ring, worker, bundles, pending, saved, arena)
                     pending, bundles = [], bundles + 1
@@ -193,8 +208,7 @@ class BatchSource(IterableDataset):
             built = read_ahead(lambda t: self._build(t, dtype=dtype), numbers, depth) if depth else None
             pending: list[Any] = []
             view = ring.view(worker, slot)
-            if self.encoder is None:
-                ring.begin(worker, slot, numbers[0])
+            ring.begin(worker, slot, numbers[0])
             for i, t in enumerate(numbers):
                 if stale():
                     if built is not None:
@@ -202,7 +216,7 @@ class BatchSource(IterableDataset):
                     return None
                 rows = next(built)[1] if built is not None else None
                 if self.encoder is not None:
-                    pending.append((t, self.encoded(t, rows, ring)))
+                    pending.append((t, self.encoded(t, rows, ring, (view, i))))
                 elif rows is None:
                     self._build(t, out={name: array[i] for name, array in view.items()})
                 else:

@@ -28,7 +28,7 @@ from statefulset.loading.batches import BatchSource, describe_batch, receive
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
 from statefulset.loading.metrics import Meter
-from statefulset.loading.ring import BatchRing, bundle_size
+from statefulset.loading.ring import make_ring
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog
 from statefulset.loading.worker_start import (
@@ -59,7 +59,7 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
         # Document fields travel as their pieces (a few hundred bytes instead of ~100x that); an
         # encoder's batches that keep the layout travel as the fields the trainer receives.
         fields = dataset.fields(wire=dataset.encoder is None)
-        ring = BatchRing(workers, slots, dataset.batch_size, fields, bundle_size(dataset.batch_size, fields))
+        ring = make_ring(workers, slots, dataset.batch_size, fields, dataset.encoder is not None)
     source = BatchSource(
         stream, cursor, dataset.stop_batch(cursor), wrap, ring, dataset.document_boundaries, dataset.encoder
     )

@@ -8,10 +8,14 @@ and copied once into *staged* arrays of the ring's row shapes (``text`` in int64
 which the worker then writes into its slot, or, when some batch of the bundle does not fit,
 turns into the collated dict the default collate gives, tensor for tensor.
 
-Whether the tokens fit the ring's dtype is checked as they are written into the slot
-(:func:`write_slot`): one compiled pass checks and narrows them (``sf_narrow_tokens``), where a
-range check and a narrowing copy took two; a batch with a token outside the dtype makes the worker
-send its bundle another way (``BatchSource._send_encoded``), the slot's partial contents unread.
+The ring of a dataset with a task encoder carries ``text`` as int64 (``ring.make_ring``): the
+worker gathers each micro-batch's rows straight into its slot and the encoder's samples hold views
+of them, so a field the encoder kept, or changed in place, is in the slot already
+(:attr:`Staged.home`: :func:`write_slot` skips it); only fields it replaced are copied in. There is
+no narrowing back into the corpus dtype and no range check, where the rows were once built apart in
+int64 and narrowed into a corpus-dtype slot. :func:`narrowed` still writes tokens into a narrower
+ring (its range checked in the same compiled pass, ``sf_narrow_tokens``): a batch with a token
+outside the dtype makes the worker send its bundle another way (``BatchSource._send_encoded``).
 
 A sample qualifies when it is a :class:`TokenSample` that holds exactly the ring's fields (no
 others), each a numpy array (or numpy scalar) of the field's row shape and dtype (``text``:
@@ -48,6 +52,16 @@ class Staged:
     def __init__(self, arrays: dict[str, numpy.ndarray], positions: numpy.ndarray) -> None:
         self.arrays = arrays
         self.positions = positions
+        # (slot view, row, that row's arrays): where the rows were gathered (BatchSource.encoded); a
+        # field staged as that very array is already in the slot.
+        self.home: tuple[dict[str, numpy.ndarray], int, dict[str, numpy.ndarray]] | None = None
+
+    def placed(self, home: tuple[dict[str, numpy.ndarray], int] | None, rows: dict[str, Any] | None) -> Staged:
+        """This batch, knowing that ``rows`` are the arrays of place ``home`` (``(slot view, i)``) of the
+        ring, as made before anything was gathered or encoded (a field staged as another array is copied)."""
+        if home is not None and rows is not None:
+            self.home = (home[0], home[1], rows)
+        return self
 
     def collated(self) -> dict[str, Any]:
         """What the default collate gives for the same samples: each field a tensor, then ``sample_id``."""
@@ -189,6 +203,8 @@ def in_ring_layout(ring: Any, positions: numpy.ndarray, batch: Any) -> bool:
     if not numpy.array_equal(ids.numpy(), positions):
         return False
     limits = numpy.iinfo(ring.dtype)
+    if limits.bits == 64 and limits.min < 0:  # int64 text (a task encoder's ring): every token fits
+        return True
     return not text.numel() or (int(text.min()) >= limits.min and int(text.max()) <= limits.max)
 
 
@@ -200,7 +216,11 @@ def write_slot(view: dict[str, numpy.ndarray], i: int, batch: Any, limits: Any) 
         for name, array in view.items():
             array[i][...] = batch[name].numpy()
         return True
+    home = batch.home
+    there = home[2] if home is not None and home[0] is view and home[1] == i else None
     for name, array in view.items():
+        if there is not None and batch.arrays[name] is there.get(name):
+            continue  # gathered into this very place, kept (or changed in place) by the encoder
         if name == "text":
             if not narrowed(batch.arrays[name], array[i], limits):
                 return False

@@ -33,6 +33,18 @@ def bundle_size(batch_size: int, fields: list[FieldSpec]) -> int:
     return max(1, min(MAX_BUNDLE, BUNDLE_BYTES // max(per_batch, 1)))
 
 
+def make_ring(workers: int, slots: int, batch_size: int, fields: list[FieldSpec], encoded: bool) -> BatchRing:
+    """The ring of a dataset whose rows are ``fields``; ``encoded`` (a task encoder runs in the workers):
+    ``text`` travels as int64, the dtype the encoder sees, so that the worker gathers the rows straight
+    into its slot and hands the encoder views of them (no rows of its own, no narrowing back into the
+    corpus dtype: statefulset.loading.encoded_ring). Bundled as the corpus dtype's rows would be."""
+    bundle = bundle_size(batch_size, fields)
+    if encoded:
+        wide = numpy.dtype(numpy.int64)
+        fields = [FieldSpec(f.name, f.shape, wide) if f.name == "text" else f for f in fields]
+    return BatchRing(workers, slots, batch_size, fields, bundle)
+
+
 def _row_bytes(field: FieldSpec) -> int:
     return int(numpy.prod(field.shape, dtype=numpy.int64)) * field.dtype.itemsize
 
@@ -40,8 +52,9 @@ def _row_bytes(field: FieldSpec) -> int:
 class BatchRing:
     """``workers × slots`` buffers of ``bundle`` batches each, in one shared-memory block.
 
-    A slot holds every field of its batches (``text`` in the corpus dtype, then ``loss_mask`` and
-    the document fields when the dataset has them), one array per field, back to back.
+    A slot holds every field of its batches (``text`` in the corpus dtype, int64 with a task encoder,
+    then ``loss_mask`` and the document fields when the dataset has them), one array per field, back
+    to back.
     """
 
     def __init__(self, workers: int, slots: int, batch_size: int, fields: list[FieldSpec], bundle: int = 1) -> None:

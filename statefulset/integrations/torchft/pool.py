@@ -36,7 +36,7 @@ from statefulset.loading import torch_internals
 from statefulset.loading.batches import BatchSource, receive
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
-from statefulset.loading.ring import BatchRing, bundle_size
+from statefulset.loading.ring import BatchRing, make_ring
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import STALL_SECONDS, TimedOut, Watchdog
 from statefulset.loading.worker_start import (
@@ -183,7 +183,7 @@ class PlanWorkers:
         self.workers = dataset.worker_config.num_workers
         stream, b = dataset.stream, dataset.batch_size
         fields = dataset.fields()
-        self.ring = BatchRing(self.workers, options.prefetch_factor + 1, b, fields, bundle_size(b, fields))
+        self.ring = make_ring(self.workers, options.prefetch_factor + 1, b, fields, dataset.encoder is not None)
         self.generation = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.generation_view = self.generation.numpy()  # written at each change: numpy's store, not torch's
         self.wrap = None if stream.unbounded or not dataset.repeat else len(stream)

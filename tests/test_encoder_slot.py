@@ -1,0 +1,120 @@
+"""A task encoder's rows gathered straight into the batch ring's slot (``ring.make_ring``, ``BatchSource.encoded``):
+the ring carries ``text`` as int64, the encoder's samples hold views of the slot's rows, and a field it
+kept or changed in place is not copied again. Whatever the encoder does with those views (changes them
+in place beyond the corpus's dtype, replaces them with other views of the same row, replaces one field
+and changes another in place, hands them to its own ``batch``), every batch equals what one process
+encodes for the same positions."""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+import torch
+
+from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset.loading.ring import bundle_size, make_ring
+from statefulset.streams.documents import FieldSpec
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+class BeyondTheDtype:
+    """Every token changed in place to a value no uint16 holds."""
+
+    def encode_sample(self, sample):
+        sample.text += 70_000 + sample.sample_id
+        return sample
+
+
+class ReversedOwnRow:
+    """``text`` replaced by a reversed view of its own row (the copy into the slot overlaps its source)."""
+
+    def encode_sample(self, sample):
+        sample.text = sample.text[::-1]
+        return sample
+
+
+class ChangesOneReplacesAnother:
+    """``text`` changed in place, ``loss_mask`` replaced by a new array, ``position_ids`` changed in place."""
+
+    def encode_sample(self, sample):
+        sample.text[::3] = -sample.sample_id
+        if sample.loss_mask is not None:
+            sample.loss_mask = 1.0 - sample.loss_mask
+        if sample.position_ids is not None:
+            sample.position_ids[:] = sample.position_ids[::-1].copy()
+        return sample
+
+
+class BatchesTheViews:
+    """Its own ``batch`` returns the samples' arrays uncopied: views of the slot, until the bundle is sent."""
+
+    def encode_sample(self, sample):
+        sample.text[0] = sample.sample_id
+        return sample
+
+    def batch(self, samples):
+        return {"rows": [s.text for s in samples], "ids": [s.sample_id for s in samples]}
+
+
+class ReplacesTheRowsArray:
+    """Its micro-batch path (``encode_rows_in_place``, as FillInTheMiddle's) puts a new ``text`` array in the
+    rows' dict instead of writing into the slot's: the new array must still reach the slot."""
+
+    def encode_sample(self, sample, rng):
+        sample.text = sample.text[::-1] + 1
+        return sample
+
+    def encode_rows_in_place(self, rows, sample_ids, key):
+        rows["text"] = rows["text"][:, ::-1] + 1
+        return True
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slot")
+    rng = numpy.random.default_rng(3)
+    with IndexedDatasetWriter(root / "a", dtype=numpy.uint16) as w:
+        for _ in range(400):
+            w.add_document(rng.integers(0, 65000, int(rng.geometric(1 / 20))))
+    return {"data_path": str(root / "a"), "seq_length": 12, "packing": "native", "path_to_cache": str(root / "c")}
+
+
+def _as_lists(value):
+    if isinstance(value, torch.Tensor | numpy.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _as_lists(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_lists(v) for v in value]
+    return value
+
+
+def _batches(spec, encoder, workers, count, **kwargs):
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
+    ds = get_train_dataset(spec, batch_size=2, worker_config=wc, task_encoder=encoder(), **kwargs)
+    return [_as_lists(b) for _, b in zip(range(count), get_savable_loader(ds), strict=False)]
+
+
+@pytest.mark.parametrize("packing", ["native", "bestfit"])
+@pytest.mark.parametrize("boundaries", [False, True])
+@pytest.mark.parametrize(
+    "encoder", [BeyondTheDtype, ReversedOwnRow, ChangesOneReplacesAnother, BatchesTheViews, ReplacesTheRowsArray]
+)
+def test_workers_deliver_what_one_process_encodes(spec, encoder, boundaries, packing):
+    # 120 micro-batches of 2 rows: each worker refills every slot of its ring several times over
+    # (bundles of 16, prefetch_factor + 1 slots).
+    spec = {**spec, "packing": packing}
+    expected = _batches(spec, encoder, 0, 120, document_boundaries=boundaries)
+    assert len(expected) == 120
+    assert _batches(spec, encoder, 2, 120, document_boundaries=boundaries) == expected
+
+
+def test_a_ring_for_an_encoder_carries_int64_text_in_bundles_of_the_corpus_dtype():
+    fields = [FieldSpec("text", (2049,), numpy.dtype(numpy.uint16)), FieldSpec("loss_mask", (2048,), numpy.dtype("f4"))]
+    plain = make_ring(2, 3, 8, fields, encoded=False)
+    wide = make_ring(2, 3, 8, fields, encoded=True)
+    assert plain.dtype == numpy.uint16 and wide.dtype == numpy.int64
+    assert wide.bundle == plain.bundle == bundle_size(8, fields)
+    assert wide.view(1, 2)["text"].shape == (wide.bundle, 8, 2049)
+    assert wide.view(1, 2)["loss_mask"].dtype == numpy.float32
