@@ -1,9 +1,10 @@
 /*
  * The Python face of the installed kernels library. The kernels themselves are plain C in kernels.c,
  * linked into the same file and called through ctypes (statefulset/index/compiled.py); this file
- * makes that file an ordinary extension module, and holds the one function that is called as a
- * Python function instead: metrics_read, the compiled loader.metrics() read
- * (statefulset/loading/compiled_read.py), which builds a dict and so needs the Python C API.
+ * makes that file an ordinary extension module, and holds the functions that are called as Python
+ * functions instead, as they build Python objects and so need the Python C API: metrics_read, the
+ * compiled loader.metrics() read (statefulset/loading/compiled_read.py), and encode_samples, a task
+ * encoder's per-sample loop (statefulset/transforms/encoder.py).
  *
  * setup.py records this file's SHA-256 (source_sha256): statefulset.index.compiled.module_function
  * does not use a module built from another version of it (an editable checkout edited since its
@@ -189,9 +190,99 @@ static PyObject *mr_read(PyObject *module, PyObject *const *args, Py_ssize_t nar
     return out;
 }
 
+/* encode_samples(cls, call, names, columns, out) -> (kept, stopped): a task encoder's plain per-sample
+   loop (statefulset.transforms.encoder.TaskEncoderRunner._encode_plain). For each row i: an instance of
+   cls (TokenSample, whose __new__ is object's) made without __init__, its __dict__ the names mapped
+   to columns[j][i] in order (what the dataclass's __init__ sets); call(sample); the result appended
+   to out. kept: every result was its own sample, whose __dict__ still holds exactly the names, in
+   order, mapped to the very objects it was made with. stopped: -1, or the row whose result was None
+   or an iterator (appended to out; the loop stops there: the caller refuses it). An exception of
+   call propagates with out holding the rows before it. */
+static PyObject *es_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5 || !PyType_Check(args[0]) || !PyTuple_Check(args[2]) || !PyList_Check(args[3]) ||
+        !PyList_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "encode_samples(cls, call, names: tuple, columns: list, out: list)");
+        return NULL;
+    }
+    PyTypeObject *cls = (PyTypeObject *)args[0];
+    PyObject *call = args[1], *names = args[2], *columns = args[3], *out = args[4];
+    Py_ssize_t width = PyTuple_GET_SIZE(names), rows = -1;
+    if (width < 1 || PyList_GET_SIZE(columns) != width || cls->tp_alloc == NULL) {
+        PyErr_SetString(PyExc_ValueError, "encode_samples: one column per name, at least one");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < width; j++) {
+        PyObject *column = PyList_GET_ITEM(columns, j);
+        if (!PyList_Check(column) || (rows >= 0 && PyList_GET_SIZE(column) != rows) ||
+            !PyUnicode_CheckExact(PyTuple_GET_ITEM(names, j))) {
+            PyErr_SetString(PyExc_ValueError, "encode_samples: columns are lists of one length, names strings");
+            return NULL;
+        }
+        rows = PyList_GET_SIZE(column);
+    }
+    int kept = 1;
+    Py_ssize_t stopped = -1;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        PyObject *values = PyDict_New();
+        if (values == NULL)
+            return NULL;
+        for (Py_ssize_t j = 0; j < width; j++) {
+            if (PyDict_SetItem(values, PyTuple_GET_ITEM(names, j), PyList_GET_ITEM(PyList_GET_ITEM(columns, j), i)) < 0) {
+                Py_DECREF(values);
+                return NULL;
+            }
+        }
+        PyObject *sample = cls->tp_alloc(cls, 0);
+        if (sample == NULL || PyObject_GenericSetDict(sample, values, NULL) < 0) {
+            Py_XDECREF(sample);
+            Py_DECREF(values);
+            return NULL;
+        }
+        Py_DECREF(values);
+        PyObject *result = PyObject_Vectorcall(call, &sample, 1, NULL);
+        if (result == NULL) {
+            Py_DECREF(sample);
+            return NULL;
+        }
+        if (result != sample) {
+            kept = 0;
+            int iterator = result != Py_None ? PyObject_HasAttrString(result, "__next__") : 0;
+            if (result == Py_None || iterator)
+                stopped = i;
+        } else if (kept) {
+            PyObject *now = PyObject_GenericGetDict(sample, NULL);
+            if (now == NULL) {
+                Py_DECREF(result);
+                Py_DECREF(sample);
+                return NULL;
+            }
+            Py_ssize_t at = 0, j = 0;
+            PyObject *key, *value;
+            kept = PyDict_GET_SIZE(now) == width;
+            while (kept && PyDict_Next(now, &at, &key, &value)) {
+                kept = key == PyTuple_GET_ITEM(names, j) && value == PyList_GET_ITEM(PyList_GET_ITEM(columns, j), i);
+                j++;
+            }
+            Py_DECREF(now);
+        }
+        Py_DECREF(sample);
+        int failed = PyList_Append(out, result);
+        Py_DECREF(result);
+        if (failed < 0)
+            return NULL;
+        if (stopped >= 0)
+            break;
+    }
+    return Py_BuildValue("(On)", kept ? Py_True : Py_False, stopped);
+}
+
 static PyMethodDef sf_kernels_methods[] = {
     {"metrics_read", (PyCFunction)(void (*)(void))mr_read, METH_FASTCALL,
      "The compiled loader.metrics() read (statefulset.loading.compiled_read)."},
+    {"encode_samples", (PyCFunction)(void (*)(void))es_encode, METH_FASTCALL,
+     "A task encoder's plain per-sample loop (statefulset.transforms.encoder)."},
     {NULL, NULL, 0, NULL},
 };
 

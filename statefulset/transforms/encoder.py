@@ -25,6 +25,7 @@ from typing import Any
 import numpy
 
 from statefulset.errors import StatefulsetError
+from statefulset.index.compiled import module_function
 from statefulset.transforms.collate import collate
 from statefulset.transforms.hooks import hook, refuse_hooks
 from statefulset.transforms.keyed import (
@@ -246,9 +247,29 @@ class TaskEncoderRunner:
 
     def _encode_plain(self, columns: list[Any]) -> tuple[list, bool]:
         """:meth:`encode_rows`' loop for an unkeyed ``encode_sample`` without ``rng`` once the global-RNG
-        checks are done: the method called directly, and *kept* judged by unpacking the sample's
-        attributes (a TokenSample's seven, in the order its constructor set them) instead of mapping
-        ``is`` over them; an eighth attribute, or one deleted, fails the unpacking: not kept."""
+        checks are done: the method called directly. Compiled where the kernels are (``encode_samples``
+        in ``kernels_module.c``: each TokenSample made with its ``__dict__`` set as the dataclass's
+        ``__init__`` sets it, then called, then judged kept by its attributes' identities and order),
+        else :meth:`_encode_python`: the same samples, calls, refusals and errors."""
+        loop = _compiled_loop()
+        if loop is None:
+            return self._encode_python(columns)
+        samples: list[Any] = []
+        lists = [c if type(c) is list else list(c) for c in columns]
+        try:
+            kept, stopped = loop(TokenSample, self.encode.call, _MADE, lists, samples)
+        except StatefulsetError:
+            raise
+        except Exception as exc:  # as _run names it
+            raise self._failure("encode_sample", lists[1][len(samples)], exc) from exc
+        if stopped >= 0:
+            self._refuse_result(samples[-1], lists[1][stopped])
+        return samples, kept
+
+    def _encode_python(self, columns: list[Any]) -> tuple[list, bool]:
+        """:meth:`_encode_plain` in Python: *kept* judged by unpacking the sample's attributes (a
+        TokenSample's seven, in the order its constructor set them) instead of mapping ``is`` over
+        them; an eighth attribute, or one deleted, fails the unpacking: not kept."""
         call = self.encode.call
         samples = []
         kept = True
@@ -321,6 +342,14 @@ class TaskEncoderRunner:
         if self.encode_batch is not None:
             out = self._run(self.encode_batch, first, out)
         return out
+
+
+def _compiled_loop() -> Any:
+    """The compiled ``encode_samples`` (None without the kernels, logged once by module_function), used
+    only while TokenSample is made by ``object.__new__`` and holds the attributes ``_MADE`` names."""
+    if TokenSample.__new__ is not object.__new__:
+        return None
+    return module_function("encode_samples")
 
 
 def _same_numpy(a: Any, b: Any) -> bool:
