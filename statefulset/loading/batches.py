@@ -41,7 +41,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from statefulset.errors import StatefulsetError
 from statefulset.loading.encoded import Arena, from_arena, pack, received
-from statefulset.loading.encoded_ring import TORCH_DTYPES, Staged, in_ring_layout, staged, write_slot
+from statefulset.loading.encoded_ring import TORCH_DTYPES, Staged, in_ring_layout, staged, staged_kept, write_slot
 from statefulset.loading.read_ahead import read_ahead, read_ahead_depth
 from statefulset.loading.ring import BatchRing
 from statefulset.loading.state import Cursor
@@ -131,10 +131,8 @@ class BatchSource(IterableDataset):
 
         With the worker's ``ring``: the global RNG states are the caller's to put back (once per
         hand-off), and samples that keep the dataset's layout come back :class:`Staged` for the ring.
-        ``home``: ``(view, i)``, the slot (``ring.view``, its stamps begun) and the place in it where the
-        batch goes: the rows are gathered there (int64 ``text``: :func:`make_ring`) and the encoder gets
-        views of them, so rows it kept (or changed in place) are already in the slot.
-        """
+        ``home``: ``(view, i)``, the slot (``ring.view``, stamps begun) and place where the batch goes: the
+        rows are gathered there (int64 ``text``) and the encoder gets views of them (encoded_ring)."""
         positions = self.cursor.positions(t)
         wrapped = positions % self.wrap if self.wrap else positions  # self.positions(t)
         target = None if home is None else {name: array[home[1]] for name, array in home[0].items()}
@@ -153,13 +151,14 @@ class BatchSource(IterableDataset):
         if not self.encoder.collates:
             return self.encoder.micro_batch(fields, positions, sources, keep=False)
         if self.encoder.encode_in_place(fields, positions):  # FillInTheMiddle's compiled path: rows changed in place
-            found = staged([], ring.fields, positions, fields, kept=True)
+            found = staged_kept(fields, slot_rows, ring.fields, positions)
             if found is not None:
                 return found.placed(home, slot_rows)
             return self.encoder.batched(self.encoder.as_samples(fields, positions, sources), int(positions[0]))
         views = {name: list(values) for name, values in fields.items()}  # each row's view, made at once
         samples, kept = self.encoder.encode_rows(views, positions, sources)
-        found = staged(samples, ring.fields, positions, fields, views, kept)
+        layout = (ring.fields, positions)
+        found = staged_kept(fields, slot_rows, *layout) if kept else staged(samples, *layout, fields, views)
         return found.placed(home, slot_rows) if found is not None else self.encoder.batched(samples, int(positions[0]))
 
     def _serve_encoded(self, ring: BatchRing, worker: int, workers: int) -> Iterator[tuple[Any, ...]]:

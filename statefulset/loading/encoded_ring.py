@@ -70,11 +70,19 @@ class Staged:
         return out
 
 
+_last_names: list[Any] = [None, None]  # the last fields list _names was asked about (a ring's), and its answer
+
+
 def _names(fields: list[FieldSpec]) -> tuple[str, ...] | None:
-    """The ring's field names, when they are in the order a TokenSample lists them (else never staged)."""
+    """The ring's field names, when they are in the order a TokenSample lists them (else never staged);
+    remembered for the last list asked about (a ring's fields, asked once per micro-batch)."""
+    if _last_names[0] is fields:
+        return _last_names[1]
     names = tuple(f.name for f in fields)
     order = [n for n in DATASET_FIELDS if n in names]
-    return names if list(names) == order and len(order) == len(names) else None
+    found = names if list(names) == order and len(order) == len(names) else None
+    _last_names[:] = [fields, found]
+    return found
 
 
 def staged(
@@ -129,6 +137,19 @@ def staged(
             return None
         arrays[f.name] = array
     return Staged(arrays, positions)
+
+
+def staged_kept(
+    rows: dict[str, Any], slot_rows: dict[str, numpy.ndarray] | None, fields: list[FieldSpec], positions: numpy.ndarray
+) -> Staged | None:
+    """:func:`staged` of kept samples (or rows changed in place: ``rows``, the micro-batch's fields). When
+    they are still exactly the slot's own arrays (``slot_rows``, made by ``BatchSource.encoded`` from
+    ``ring.view``: the ring's fields, in order, of their shapes and dtypes by construction), nothing is
+    checked: the rows are in place; else they are checked once (:func:`_kept`)."""
+    in_place = slot_rows is not None and len(rows) == len(slot_rows) and _names(fields) is not None
+    if in_place and all(rows.get(name) is array for name, array in slot_rows.items()):  # type: ignore[union-attr]
+        return Staged(slot_rows, positions)  # type: ignore[arg-type]
+    return staged([], fields, positions, rows, kept=True)
 
 
 def _kept(
