@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError
+from statefulset.shards import idx_format
 from statefulset.shards.idx_format import decode_index
 
 S, D = 6, 4  # the shard below: 6 sequences in 3 documents (D = 3 + 1 entries)
@@ -58,6 +59,64 @@ def test_index_corruption(shard, what, offset, fmt, value, message):
     patch(shard.with_suffix(".idx"), offset, fmt, value)
     with pytest.raises(StatefulsetError, match=message):
         IndexedDataset(shard)
+
+
+STEP = idx_format.CHECK_STEP
+LONG_S = 2 * STEP + 7  # sequences of the shard below: the whole-index check takes three steps
+
+
+@pytest.fixture
+def long_shard(tmp_path):
+    """LONG_S sequences of 1 to 3 tokens, two per document (the last document holds one)."""
+    prefix = tmp_path / "long"
+    lengths = numpy.arange(LONG_S) % 3 + 1
+    per_document = numpy.full(LONG_S // 2 + 1, 2)
+    per_document[-1] = LONG_S - 2 * (LONG_S // 2)
+    with IndexedDatasetWriter(prefix, numpy.uint16) as w:
+        tokens = numpy.arange(int(lengths.sum())) % 1000
+        w.add_documents(tokens, lengths, sequences_per_document=per_document)
+    return prefix
+
+
+def _long_layout() -> tuple[int, int, int]:
+    """Where the lengths, pointers and document_indices of the long shard's .idx start."""
+    return 34, 34 + 4 * LONG_S, 34 + 12 * LONG_S
+
+
+def _pointer_at(prefix, i) -> int:
+    return struct.unpack_from("<q", prefix.with_suffix(".idx").read_bytes(), _long_layout()[1] + 8 * i)[0]
+
+
+@pytest.mark.parametrize(
+    ("where", "field"),
+    [
+        (STEP, "pointer"),  # the first pointer of the second step: checked against the running total
+        (STEP - 1, "pointer"),  # the last pointer of the first step
+        (2 * STEP + 3, "pointer"),
+        (STEP, "length"),
+        (2 * STEP + 6, "length"),  # the very last length
+        (STEP, "document"),  # the first entry of a step, against the last of the step before
+        (STEP + 1, "document"),
+    ],
+)
+def test_whole_index_check_across_its_steps(long_shard, where, field):
+    """The check walks the index in steps of CHECK_STEP values: a fault at a step's edges is found
+    and named like one inside a step (index, value, and what the entries before it imply)."""
+    IndexedDataset(long_shard)  # the shard as written passes
+    lengths_at, pointers_at, documents_at = _long_layout()
+    idx = long_shard.with_suffix(".idx")
+    if field == "pointer":
+        right = _pointer_at(long_shard, where)
+        patch(idx, pointers_at + 8 * where, "<q", right + 2)
+        message = rf"long\.idx: field 'sequence_pointers\[{where}\]' is {right + 2}, .* at byte {right}$"
+    elif field == "length":
+        patch(idx, lengths_at + 4 * where, "<i", -1)
+        message = rf"long\.idx: field 'sequence_lengths\[{where}\]' is negative \(-1\)"
+    else:
+        patch(idx, documents_at + 8 * where, "<q", 1)
+        message = rf"long\.idx: field 'document_indices\[{where}\]' is 1, smaller than the entry before it"
+    with pytest.raises(StatefulsetError, match=message):
+        IndexedDataset(long_shard)
 
 
 @pytest.mark.parametrize("cut", [0, 10, 33, 34, 60, -1])

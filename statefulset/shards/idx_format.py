@@ -18,8 +18,10 @@ naming the file and the field, never an assertion, an overflow or a wild read.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy
 
@@ -52,6 +54,8 @@ MODE_DTYPE = numpy.dtype("i1")
 # Validation walks the arrays in chunks so that checking a billion-sequence index needs
 # constant memory.
 CHUNK = 1 << 22
+# The whole-index check's step (values): its int64 temporaries (1 MiB) are reused and stay in cache.
+CHECK_STEP = 1 << 16
 
 
 def token_dtype(dtype: object) -> numpy.dtype:
@@ -200,46 +204,86 @@ def check_ends(arrays: IndexArrays, *, bin_size: int, path: str, bin_path: str) 
     _check_bin_size(expected, bin_size, path, bin_path)
 
 
-def check_all(arrays: IndexArrays, *, bin_size: int, path: str, bin_path: str) -> None:
-    """Every invariant of the index, chunk by chunk in constant memory.
+def check_all(arrays: IndexArrays, *, bin_size: int, path: str, bin_path: str, buffer: object = None) -> None:
+    """Every invariant of the index, step by step in constant memory.
 
     document_indices run from 0 to S without going down, lengths are non-negative, each
     pointer is the running byte sum of the lengths before it, and the ``.bin`` is exactly as
-    large as the index says.
+    large as the index says. ``buffer``: the memory map the arrays view; the pages of the pointers
+    and document_indices it checked are let go again (:func:`_let_go`), so that a first open's check
+    does not keep the whole index in this process's memory.
     """
     _check_document_ends(arrays, path)
     header = arrays.header
-    documents = arrays.document_indices
-    previous = 0
-    for start in range(0, header.document_count, CHUNK):
-        chunk = documents[start : start + CHUNK]
-        steps = numpy.diff(chunk, prepend=previous)
-        if (steps < 0).any():
-            i = start + _first(steps < 0)
+    _check_documents(arrays.document_indices, path)
+    _let_go(buffer, header.documents_offset, 8 * header.document_count)
+    running = _check_pointers(arrays, path)
+    _let_go(buffer, header.pointers_offset, 8 * header.sequence_count)
+    _check_bin_size(running, bin_size, path, bin_path)
+
+
+def _check_documents(documents: numpy.ndarray, path: str) -> None:
+    """document_indices never go down (the first is 0: :func:`_check_document_ends`)."""
+    count = documents.shape[0]
+    for start in range(0, count - 1, CHECK_STEP):
+        chunk = documents[start : start + CHECK_STEP + 1]
+        down = chunk[1:] < chunk[:-1]
+        if down.any():
+            i = start + 1 + _first(down)
             raise StatefulsetError(
                 f"{path}: field 'document_indices[{i}]' is {int(documents[i])}, smaller than the entry before it"
             )
-        previous = int(chunk[-1])
-    itemsize = header.dtype.itemsize
+
+
+def _check_pointers(arrays: IndexArrays, path: str) -> int:
+    """Lengths are non-negative and each pointer is the byte sum of the lengths before it; returns the total.
+
+    Step by step: the step's first pointer is the running total, and each next pointer is the one
+    before it plus its length in bytes (one difference, no running sum to build).
+    """
+    itemsize = arrays.header.dtype.itemsize
     lengths, pointers = arrays.sequence_lengths, arrays.sequence_pointers
+    nbytes = numpy.empty(CHECK_STEP, dtype=numpy.int64)
+    steps = numpy.empty(CHECK_STEP, dtype=numpy.int64)
     running = 0
-    for start in range(0, header.sequence_count, CHUNK):
-        chunk = lengths[start : start + CHUNK].astype(numpy.int64)
-        if (chunk < 0).any():
+    for start in range(0, arrays.header.sequence_count, CHECK_STEP):
+        chunk = lengths[start : start + CHECK_STEP]
+        n = chunk.shape[0]
+        if int(chunk.min()) < 0:
             i = start + _first(chunk < 0)
             raise StatefulsetError(f"{path}: field 'sequence_lengths[{i}]' is negative ({int(lengths[i])})")
-        nbytes = chunk * itemsize
-        ends = numpy.cumsum(nbytes) + running
-        expected = ends - nbytes
-        actual = pointers[start : start + CHUNK]
-        if not numpy.array_equal(actual, expected):
-            i = start + _first(actual != expected)
-            raise StatefulsetError(
-                f"{path}: field 'sequence_pointers[{i}]' is {int(pointers[i])}, but the lengths before it "
-                f"put sequence {i} at byte {int(expected[i - start])}"
-            )
-        running = int(ends[-1])
-    _check_bin_size(running, bin_size, path, bin_path)
+        actual = pointers[start : start + n]
+        if int(actual[0]) != running:
+            _pointer_error(path, start, int(actual[0]), running)
+        numpy.multiply(chunk, itemsize, out=nbytes[:n], dtype=numpy.int64)
+        numpy.subtract(actual[1:], actual[:-1], out=steps[: n - 1])
+        wrong = steps[: n - 1] != nbytes[: n - 1]
+        if wrong.any():
+            j = _first(wrong)
+            _pointer_error(path, start + j + 1, int(actual[j + 1]), int(actual[j]) + int(nbytes[j]))
+        running = int(actual[-1]) + int(nbytes[n - 1])
+    return running
+
+
+def _pointer_error(path: str, i: int, actual: int, expected: int) -> NoReturn:
+    raise StatefulsetError(
+        f"{path}: field 'sequence_pointers[{i}]' is {actual}, "
+        f"but the lengths before it put sequence {i} at byte {expected}"
+    )
+
+
+def _let_go(buffer: object, offset: int, nbytes: int) -> None:
+    """Drop this process's mapping of the whole pages of ``buffer[offset : offset + nbytes]`` when ``buffer``
+    is a memory map (``MADV_DONTNEED``: the file's pages stay in the page cache, and a later read of them
+    maps them again); nothing for other buffers or where the platform has no ``madvise``."""
+    advise = getattr(buffer, "madvise", None)
+    dontneed = getattr(mmap, "MADV_DONTNEED", None)
+    if advise is None or dontneed is None:
+        return
+    first = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        advise(dontneed, first, last - first)
 
 
 def decode_index(
@@ -255,5 +299,8 @@ def decode_index(
     """Decode and check a whole ``.idx`` buffer against the ``.bin`` size it goes with."""
     header = decode_header(bytes(buffer[:HEADER_SIZE]), idx_size=idx_size, multimodal=multimodal, path=path)
     arrays = index_arrays(buffer, header)
-    (check_all if full else check_ends)(arrays, bin_size=bin_size, path=path, bin_path=bin_path)
+    if full:
+        check_all(arrays, bin_size=bin_size, path=path, bin_path=bin_path, buffer=buffer)
+    else:
+        check_ends(arrays, bin_size=bin_size, path=path, bin_path=bin_path)
     return arrays
