@@ -55,12 +55,16 @@ def _hash_file(path: str) -> str:
     if "://" in path:
         import fsspec
 
-        opener = fsspec.open(path, "rb")
-    else:
-        opener = open(path, "rb")  # noqa: SIM115 - closed by the with below
-    with opener as f:
-        while chunk := f.read(_DIGEST_CHUNK):
-            digest.update(chunk)
+        with fsspec.open(path, "rb") as f:
+            while chunk := f.read(_DIGEST_CHUNK):
+                digest.update(chunk)
+        return digest.hexdigest()
+    # One reused buffer: a new bytes object per read would be fresh pages to fault in and zero each time.
+    block = bytearray(_DIGEST_CHUNK)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(block):
+            digest.update(view[:count])
     return digest.hexdigest()
 
 
@@ -127,15 +131,18 @@ def _remote_sample(bin_file: Any, memo_dir: str | None) -> str:
     return sample
 
 
-def identify(dataset: Any, memo_dir: str | None) -> ShardDigest:
+def identify(dataset: Any, memo_dir: str | None, idx_digest: str | None = None) -> ShardDigest:
     """The digest of an opened :class:`~statefulset.shards.reader.IndexedDataset` (both of its files).
+
+    ``idx_digest``: its ``.idx``'s :func:`shard_digest` where the caller has it already
+    (:mod:`statefulset.shards.identifying` hashes it in a thread).
 
     Where ``statefulset prepare`` recorded the ``.bin``'s full digest for this file version, the
     sample read now must match the one recorded with it; otherwise the file was rewritten in place
     (same size, mtime and inode) and is refused, naming it.
     """
     prefix = dataset.path_prefix
-    idx = dataset.known_digest or shard_digest(prefix, memo_dir)
+    idx = idx_digest or dataset.known_digest or shard_digest(prefix, memo_dir)
     bin_file = dataset.bin_file
     if bin_file.is_local:
         sample = bin_sample(bin_file)

@@ -9,6 +9,7 @@ transient faults, and a client per process. A remote ``.idx`` is used through it
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import stat
@@ -148,6 +149,7 @@ class ShardFile:
         out = []
         try:
             with open(self._local, "rb") as f:  # type: ignore[arg-type]
+                _read_ahead(f.fileno(), offsets, sizes)
                 for offset, nbytes in zip(offsets, sizes, strict=True):
                     f.seek(offset)
                     out.append(f.read(nbytes))
@@ -159,3 +161,15 @@ class ShardFile:
                     f"{self.path}: read of {nbytes} bytes at {offset} returned {len(data)}: file truncated?"
                 )
         return out
+
+
+def _read_ahead(fd: int, offsets: list[int], sizes: list[int]) -> None:
+    """Ask the kernel for every range at once before reading them one by one (``POSIX_FADV_WILLNEED``): on
+    a cold page cache the reads of scattered blocks (a ``.bin``'s keyed sample) then overlap on the disk
+    instead of waiting for one another. Nothing where the platform has no ``posix_fadvise``."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None or len(offsets) < 2:
+        return
+    for offset, nbytes in zip(offsets, sizes, strict=True):
+        with contextlib.suppress(OSError):
+            advise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
