@@ -595,3 +595,46 @@ def test_a_process_forked_while_another_thread_loads_the_kernels_loads_them_itse
             child.kill()
             child.join(30)
         kernels.library()
+
+
+# --------------------------------------------------------------------------- numpy's legacy shuffle
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 623, 624, 625, 1249, 100_003])
+@pytest.mark.parametrize("dtype", [numpy.int32, numpy.uint32, numpy.int64])
+def test_legacy_shuffle_is_numpys(compiled, n, dtype):
+    """The kernel's shuffle is RandomState.shuffle's, item for item, and leaves the generator where numpy
+    does (mid-block positions included: draws before it), so the draws after it (megatron-core's next
+    shuffle) agree too."""
+    from statefulset.index.megatron.gpt import legacy_shuffle
+
+    for seed, before in [(1234, 0), (7, 3), (0, 700)]:
+        ours, theirs = numpy.random.RandomState(seed), numpy.random.RandomState(seed)
+        ours.random_sample(before)
+        theirs.random_sample(before)
+        mine, expected = numpy.arange(n, dtype=dtype), numpy.arange(n, dtype=dtype)
+        legacy_shuffle(ours, mine)
+        theirs.shuffle(expected)
+        assert mine.dtype == expected.dtype
+        numpy.testing.assert_array_equal(mine, expected)
+        left, right = ours.get_state(), theirs.get_state()
+        assert left[0] == right[0] and left[2:] == right[2:]
+        numpy.testing.assert_array_equal(left[1], right[1])
+        assert ours.randint(0, 2**31, 8).tolist() == theirs.randint(0, 2**31, 8).tolist()
+
+
+def test_legacy_shuffle_leaves_other_arrays_to_numpy(compiled):
+    """Strided, 2-D, float or 2-byte arrays go through rng.shuffle itself: the same result either way."""
+    from statefulset.index.megatron.gpt import legacy_shuffle
+
+    for make in (
+        lambda: numpy.arange(40, dtype=numpy.int32)[::2],
+        lambda: numpy.arange(40, dtype=numpy.int64).reshape(10, 4),
+        lambda: numpy.arange(40, dtype=numpy.float64),
+        lambda: numpy.arange(40, dtype=numpy.int16),
+    ):
+        ours, theirs = numpy.random.RandomState(5), numpy.random.RandomState(5)
+        mine, expected = make(), make()
+        legacy_shuffle(ours, mine)
+        theirs.shuffle(expected)
+        numpy.testing.assert_array_equal(mine, expected)

@@ -311,3 +311,15 @@ def test_sample_index_and_blending_refuse_empty_inputs(lib):
     assert lib.sf_blending_indices(numpy.ones(1), 1, -1, index, samples, counts) == BAD_ARGUMENT
     scratch = (numpy.zeros(1, numpy.int64), numpy.zeros(1), numpy.zeros(1, numpy.int32))
     assert lib.sf_exhaustive_blending_indices(i64(-2), 1, index, samples, *scratch) == BAD_ARGUMENT
+
+
+def test_legacy_shuffle_refuses_what_it_cannot_do_as_numpy(lib):
+    """Another item size, a negative count, more than 2^32 items or a generator position outside its
+    block: refused before anything is read or written (the array and the state stay as they were)."""
+    key = numpy.arange(624, dtype=numpy.uint32)
+    items = numpy.arange(6, dtype=numpy.int32)
+    for position, count, itemsize in [(624, 6, 2), (624, -1, 4), (625, 6, 4), (-1, 6, 4), (624, (1 << 32) + 1, 4)]:
+        where = ctypes.c_int64(position)
+        assert lib.sf_legacy_shuffle(key, ctypes.byref(where), items.ctypes.data, count, itemsize) == BAD_ARGUMENT
+        assert where.value == position
+    assert items.tolist() == list(range(6)) and key.tolist() == list(range(624))

@@ -128,6 +128,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_gather_batch.restype = i64
     lib.sf_narrow_tokens.argtypes = [ptr, i64, ptr, i32]
     lib.sf_narrow_tokens.restype = i64
+    lib.sf_legacy_shuffle.argtypes = [array(numpy.uint32), p_i64, ptr, i64, i64]
+    lib.sf_legacy_shuffle.restype = i32
 
 
 def _load(path: Path, source_digest: str | None) -> ctypes.CDLL:

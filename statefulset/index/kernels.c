@@ -1544,3 +1544,91 @@ int64_t sf_narrow_tokens(const int64_t *src, int64_t n, void *dst, int32_t dst_k
     }
     return 0;
 }
+
+/* --------------------------------------------------------------------------------------------------
+ * numpy's legacy RandomState.shuffle of a 1-D array, bit for bit (megatron-core shuffles its document
+ * and shuffle indices with it): MT19937 (numpy's mt19937_gen / mt19937_next) and the legacy
+ * random_interval (the smallest mask >= i, rejection on next_uint32; arrays of at most 2^32 items),
+ * then for i = n-1 down to 1 swap x[i] with x[random_interval(i)]. The caller hands over the
+ * generator's state (key[624], pos) and puts the state left here back into the generator.
+ * Faster than numpy's loop (a generic memcpy per move) by drawing SF_SHUFFLE_AHEAD positions at a
+ * time and prefetching them before the swaps; the draws never depend on the array, so the order of
+ * draws and swaps, and every result, is numpy's. */
+#define SF_MT_N 624
+#define SF_MT_M 397
+#define SF_SHUFFLE_AHEAD 32
+
+static void sf_mt_generate(uint32_t *key) {
+    int i;
+    uint32_t y;
+    for (i = 0; i < SF_MT_N - SF_MT_M; i++) {
+        y = (key[i] & 0x80000000U) | (key[i + 1] & 0x7fffffffU);
+        key[i] = key[i + SF_MT_M] ^ (y >> 1) ^ ((0U - (y & 1U)) & 0x9908b0dfU);
+    }
+    for (; i < SF_MT_N - 1; i++) {
+        y = (key[i] & 0x80000000U) | (key[i + 1] & 0x7fffffffU);
+        key[i] = key[i + (SF_MT_M - SF_MT_N)] ^ (y >> 1) ^ ((0U - (y & 1U)) & 0x9908b0dfU);
+    }
+    y = (key[SF_MT_N - 1] & 0x80000000U) | (key[0] & 0x7fffffffU);
+    key[SF_MT_N - 1] = key[SF_MT_M - 1] ^ (y >> 1) ^ ((0U - (y & 1U)) & 0x9908b0dfU);
+}
+
+static inline uint32_t sf_mt_next(uint32_t *key, int64_t *pos) {
+    if (*pos >= SF_MT_N) {
+        sf_mt_generate(key);
+        *pos = 0;
+    }
+    uint32_t y = key[(*pos)++];
+    y ^= (y >> 11);
+    y ^= (y << 7) & 0x9d2c5680U;
+    y ^= (y << 15) & 0xefc60000U;
+    y ^= (y >> 18);
+    return y;
+}
+
+/* A draw in [0, max] for max < 2^32: numpy's random_interval on its next_uint32 path. */
+static inline uint32_t sf_mt_interval(uint32_t *key, int64_t *pos, uint32_t max) {
+    uint32_t mask = max, value;
+    mask |= mask >> 1;
+    mask |= mask >> 2;
+    mask |= mask >> 4;
+    mask |= mask >> 8;
+    mask |= mask >> 16;
+    while ((value = (sf_mt_next(key, pos) & mask)) > max) {
+    }
+    return value;
+}
+
+/* Shuffle x[0..n) (itemsize 4 or 8) in place; key/pos: the MT19937 state, updated. SF_BAD_ARGUMENT
+ * (nothing read or written) for another itemsize, a negative n, n > 2^32 (numpy then draws on its
+ * 64-bit path, left to numpy) or a position outside [0, 624]. */
+int32_t sf_legacy_shuffle(uint32_t *key, int64_t *pos, void *x, int64_t n, int64_t itemsize) {
+    if (n < 0 || n > 0x100000000LL || *pos < 0 || *pos > SF_MT_N || (itemsize != 4 && itemsize != 8))
+        return SF_BAD_ARGUMENT;
+    uint64_t drawn[SF_SHUFFLE_AHEAD];
+    int64_t i = n - 1;
+    while (i >= 1) {
+        int64_t count = i < SF_SHUFFLE_AHEAD ? i : SF_SHUFFLE_AHEAD;
+        for (int64_t k = 0; k < count; k++) {
+            drawn[k] = sf_mt_interval(key, pos, (uint32_t)(i - k));
+            SF_PREFETCH((char *)x + drawn[k] * (uint64_t)itemsize);
+        }
+        if (itemsize == 4) {
+            uint32_t *items = (uint32_t *)x;
+            for (int64_t k = 0; k < count; k++) {
+                uint32_t held = items[drawn[k]];
+                items[drawn[k]] = items[i - k];
+                items[i - k] = held;
+            }
+        } else {
+            uint64_t *items = (uint64_t *)x;
+            for (int64_t k = 0; k < count; k++) {
+                uint64_t held = items[drawn[k]];
+                items[drawn[k]] = items[i - k];
+                items[i - k] = held;
+            }
+        }
+        i -= count;
+    }
+    return SF_OK;
+}

@@ -15,12 +15,14 @@ Sample ``p`` is tokens ``[k·S, (k+1)·S + 1)`` of that stream with ``k = shuffl
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
 import numpy
 
 from statefulset.errors import StatefulsetError
+from statefulset.index import compiled
 from statefulset.index.megatron.sample_index import sample_index
 
 _INT32_MAX = numpy.iinfo(numpy.int32).max
@@ -85,8 +87,32 @@ def build_document_index(
         last = build_document_index(sequence_ids, 1, rng, False)
         return numpy.concatenate((first, last))
     index = numpy.tile(numpy.asarray(sequence_ids, dtype=numpy.int32), epochs)
-    rng.shuffle(index)
+    legacy_shuffle(rng, index)
     return index
+
+
+def legacy_shuffle(rng: numpy.random.RandomState, array: numpy.ndarray) -> None:
+    """``rng.shuffle(array)``: the same draws, the same order, the same state left in ``rng``.
+
+    A 1-D, C-contiguous, writable integer array of 4- or 8-byte items (at most 2^32 of them: numpy
+    draws larger positions on another path) is shuffled by the compiled
+    kernel (``sf_legacy_shuffle``: numpy's MT19937 and legacy bounded draws, the swaps 2-3x faster
+    than numpy's loop, which moves each item with a generic ``memcpy``); anything else, or without
+    the kernels, by ``rng.shuffle`` itself.
+    """
+    lib = compiled.library()
+    fits = array.ndim == 1 and array.dtype.kind in "iu" and array.dtype.itemsize in (4, 8) and array.size <= 1 << 32
+    state = rng.get_state() if lib is not None and fits and array.flags.c_contiguous and array.flags.writeable else None
+    if state is None or state[0] != "MT19937":
+        rng.shuffle(array)
+        return
+    name, key, position, has_gauss, gauss = state
+    key = numpy.array(key, dtype=numpy.uint32)
+    where = ctypes.c_int64(int(position))
+    code = lib.sf_legacy_shuffle(key, ctypes.byref(where), array.ctypes.data, array.size, array.dtype.itemsize)
+    if code:
+        raise StatefulsetError(f"internal: sf_legacy_shuffle refused its arguments (code {code})")
+    rng.set_state((name, key, where.value, has_gauss, gauss))
 
 
 def build_sample_index(
@@ -111,11 +137,11 @@ def build_sample_index(
 def build_shuffle_index(num_samples: int, total_size: int, rng: numpy.random.RandomState) -> numpy.ndarray:
     dtype = numpy.uint32 if total_size < numpy.iinfo(numpy.uint32).max - 1 else numpy.int64
     first = numpy.arange(num_samples, dtype=dtype)
-    rng.shuffle(first)
+    legacy_shuffle(rng, first)
     if num_samples == total_size:
         return first
     last = numpy.arange(num_samples, total_size, dtype=dtype)
-    rng.shuffle(last)
+    legacy_shuffle(rng, last)
     return numpy.concatenate((first, last))
 
 
