@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy
@@ -396,3 +396,5 @@ class OpenedSources:
     ranges: list[tuple[int, int]]  # each source's sequences in this split
     digests: list[str]  # each source's content digest (.idx and .bin: statefulset.shards.digests)
     cache_root: str  # where derived indices live: the spec's path_to_cache, else this node's default
+    # Indices a packing built while the .idx files were being hashed, by source (streams.megatron.build_ahead).
+    built_ahead: dict[int, Any] = field(default_factory=dict)

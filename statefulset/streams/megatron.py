@@ -13,7 +13,7 @@ import numpy
 from statefulset.errors import StatefulsetError
 from statefulset.index.cache import IndexCache
 from statefulset.index.megatron import blend as blending
-from statefulset.index.megatron.gpt import build_gpt_indices, warn_if_sample_exceeds_split
+from statefulset.index.megatron.gpt import build_gpt_indices, num_epochs, warn_if_sample_exceeds_split
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec
 from statefulset.streams.base import EXTRA, OpenedSources, SampleStream, fill_by_source
@@ -183,21 +183,12 @@ def _gpt_source(
         "drop_last_partial": True,
     }
 
+    ahead = opened.built_ahead.get(i)
+
     def build() -> dict[str, numpy.ndarray]:
-        with spec.blame(spec.data_key(split)):
-            indices = build_gpt_indices(
-                ds.sequence_lengths,
-                numpy.arange(lo, hi, dtype=numpy.int32),
-                spec.seq_length,
-                spec.seed,
-                samples,
-                where=ds.path_prefix,
-            )
-        return {
-            "document_index": indices.document_index,
-            "sample_index": indices.sample_index,
-            "shuffle_index": indices.shuffle_index,
-        }
+        if ahead is not None and ahead[0] == samples:
+            return ahead[1]
+        return _gpt_arrays(spec, split, ds, (lo, hi), samples)
 
     try:
         with spec.blame("path_to_cache"):
@@ -208,6 +199,57 @@ def _gpt_source(
             f"cannot build the {split} index of {ds.path_prefix} for {samples} samples: {exc}",
         ) from exc
     return GPTSource(ds, arrays, spec.seq_length, (lo, hi), samples), description
+
+
+def _gpt_arrays(
+    spec: DatasetSpec, split: str, ds: IndexedDataset, sequences: tuple[int, int], samples: int | None
+) -> dict[str, numpy.ndarray]:
+    """The three GPTDataset arrays of ``ds``'s ``sequences`` built for ``samples``."""
+    with spec.blame(spec.data_key(split)):
+        indices = build_gpt_indices(
+            ds.sequence_lengths,
+            numpy.arange(*sequences, dtype=numpy.int32),
+            spec.seq_length,
+            spec.seed,
+            samples,
+            where=ds.path_prefix,
+        )
+    return {
+        "document_index": indices.document_index,
+        "sample_index": indices.sample_index,
+        "shuffle_index": indices.shuffle_index,
+    }
+
+
+def build_ahead(
+    spec: DatasetSpec,
+    split: str,
+    live: list[tuple[str, float | None]],
+    per_split: bool,
+    datasets: list[IndexedDataset],
+    ranges: list[tuple[int, int]],
+    num_samples: int | None,
+) -> dict[int, tuple[int | None, dict[str, numpy.ndarray]]]:
+    """A lone source's one-epoch GPTDataset arrays, built while its ``.idx`` is still being hashed.
+
+    On the first open of a shard version its ``.idx`` is hashed (:mod:`statefulset.shards.identifying`)
+    before its cache entry can be named, looked up or written; a thread hashes it while this builds
+    what needs no digest. :func:`open_megatron` then stores these arrays under the digest, or loads
+    the entry the cache already holds (the same arrays: the entry is keyed by the same content) and
+    drops them. That waste is bounded: only a build of one epoch is done ahead, which costs a few
+    times the hash of the same shard, never a many-epoch build. Anything the build raises is left
+    to the open's own build, which raises it where a build's errors are reported.
+    """
+    if spec.packing != "megatron" or spec.stages is not None or len(live) != 1 or not (live[0][1] is None or per_split):
+        return {}
+    ds, (lo, hi) = datasets[0], ranges[0]
+    begin, end = ds.token_span(lo, hi)
+    if num_epochs(end - begin, spec.seq_length, num_samples, EXTRA) != 1:
+        return {}
+    try:
+        return {0: (num_samples, _gpt_arrays(spec, split, ds, (lo, hi), num_samples))}
+    except Exception:  # reported by the open's own build of the same arrays
+        return {}
 
 
 def _open_blend(

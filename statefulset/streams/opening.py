@@ -23,12 +23,13 @@ from statefulset.errors import StatefulsetError
 from statefulset.index.cache import builds as cache_builds
 from statefulset.shards import loss_masks
 from statefulset.shards.digests import ShardDigest, identify, shard_checks
+from statefulset.shards.identifying import Identifications
 from statefulset.shards.reader import IndexedDataset
 from statefulset.spec.model import DatasetSpec, load_spec
 from statefulset.spec.splits import SPLITS, parse_split, split_matrix, split_range
 from statefulset.streams.base import OpenedSources, SampleStream
 from statefulset.streams.bestfit import open_bestfit
-from statefulset.streams.megatron import open_megatron
+from statefulset.streams.megatron import build_ahead, open_megatron
 from statefulset.streams.members import members_of, trim
 from statefulset.streams.native import open_native
 from statefulset.streams.overview import record_open
@@ -78,7 +79,7 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     # cache, so that processes and workers of a node never rebuild what another one built.
     cache_root = cache_folder(spec)
     memo = os.path.join(cache_root, "facts")
-    datasets, ranges, found = _open_sources(spec, split, live, per_split, memo)
+    datasets, ranges, found, ahead = _open_sources(spec, split, live, per_split, memo, num_samples)
     digests = [d.content for d in found]
     # A plain data_path is the one-stage schedule (CONTRACT §12): the same stream, so a state saved
     # on it restores into a schedule that begins with it and a run can be annealed later.
@@ -87,7 +88,7 @@ def _open(spec: DatasetSpec, split: str) -> SampleStream:
     )
     identity = _identity(spec, split, per_split, num_samples, scheduled, live, ranges, found)
     weighted = live[0][1] is not None
-    opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests, cache_root)
+    opened = OpenedSources(live, weighted, per_split, num_samples, datasets, ranges, digests, cache_root, ahead)
     stream = _hand_over(spec, split, identity, opened, scheduled)
     _describe_sources(stream, live, datasets, ranges, found)
     return stream
@@ -105,32 +106,43 @@ def _live_blend(spec: DatasetSpec, split: str) -> tuple[list[tuple[str, float | 
 
 
 def _open_sources(
-    spec: DatasetSpec, split: str, live: list[tuple[str, float | None]], per_split: bool, memo: str
-) -> tuple[list[IndexedDataset], list[tuple[int, int]], list[ShardDigest]]:
-    """Each source's shards (with its loss mask), its sequence range in the split, and its digest, in order."""
+    spec: DatasetSpec,
+    split: str,
+    live: list[tuple[str, float | None]],
+    per_split: bool,
+    memo: str,
+    num_samples: int | None,
+) -> tuple[list[IndexedDataset], list[tuple[int, int]], list[ShardDigest], dict[int, Any]]:
+    """Each source's shards (with its loss mask), its sequence range in the split, and its digest, in order;
+    and what the packing built while the ``.idx`` files new to this machine were hashed (:func:`build_ahead`)."""
     if per_split:
         bookends: tuple[float, float] = (0.0, 1.0)
     else:
         bookends = split_matrix(parse_split(spec.split))[SPLITS.index(split)]
     datasets, ranges = [], []
-    found: list[ShardDigest] = []
     data_key = spec.data_key(split)
-    for prefix, _ in live:
+    with Identifications(memo) as identifying:
+        for prefix, _ in live:
+            with spec.blame(data_key):
+                dataset = IndexedDataset(prefix, storage_options=spec.storage_options, facts_dir=memo)
+                identifying.start(dataset)
+            lo_hi = split_range(bookends, len(dataset))
+            if lo_hi is None or lo_hi[1] <= lo_hi[0]:
+                if per_split:
+                    raise spec.error(data_key, f"{prefix} holds no sequences")
+                raise spec.error(
+                    "split",
+                    f"{prefix}: the {split} split of split {spec.split!r} holds no sequences of its {len(dataset)}",
+                )
+            datasets.append(dataset)
+            ranges.append(lo_hi)
+            with spec.blame(data_key):
+                dataset.loss_mask = loss_masks.open_mask(dataset, memo)
+        ahead = build_ahead(spec, split, live, per_split, datasets, ranges, num_samples) if identifying.hashing else {}
         with spec.blame(data_key):
-            dataset = IndexedDataset(prefix, storage_options=spec.storage_options, facts_dir=memo)
-        lo_hi = split_range(bookends, len(dataset))
-        if lo_hi is None or lo_hi[1] <= lo_hi[0]:
-            if per_split:
-                raise spec.error(data_key, f"{prefix} holds no sequences")
-            raise spec.error(
-                "split", f"{prefix}: the {split} split of split {spec.split!r} holds no sequences of its {len(dataset)}"
-            )
-        datasets.append(dataset)
-        ranges.append(lo_hi)
-        with spec.blame(data_key):
-            dataset.loss_mask = loss_masks.open_mask(dataset, memo)
-            found.append(with_mask(identify(dataset, memo), dataset.loss_mask, memo))
-    return datasets, ranges, found
+            found = identifying.results()
+            found = [with_mask(d, dataset.loss_mask, memo) for d, dataset in zip(found, datasets, strict=True)]
+    return datasets, ranges, found, ahead
 
 
 def _identity(
