@@ -128,3 +128,18 @@ def test_a_version_new_to_the_facts_still_loads_the_entry_the_cache_holds(tmp_pa
     for name, array in arrays_of(again).items():
         numpy.testing.assert_array_equal(array, arrays_of(first)[name])
         assert isinstance(array.base, numpy.memmap) or isinstance(getattr(array.base, "base", None), numpy.memmap)
+
+
+@pytest.mark.parametrize("num_samples", [None, 4_200, 5_500, 20_000])
+@pytest.mark.parametrize("sequences", [(0, 3000), (250, 2900)])
+def test_a_split_given_as_a_range_builds_what_its_ids_build(tmp_path, num_samples, sequences):
+    """The open hands build_gpt_indices its split as a range (no id array to copy or scan): the same
+    three arrays, dtypes included, as the explicit ids, one epoch or several, separate last epoch or not."""
+    dataset = IndexedDataset(write_shard(str(tmp_path / "s"), 5))
+    lengths = dataset.sequence_lengths
+    by_range = build_gpt_indices(lengths, range(*sequences), 64, 7, num_samples)
+    by_ids = build_gpt_indices(lengths, numpy.arange(*sequences, dtype=numpy.int32), 64, 7, num_samples)
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        mine, expected = getattr(by_range, name), getattr(by_ids, name)
+        assert mine.dtype == expected.dtype
+        numpy.testing.assert_array_equal(mine, expected)

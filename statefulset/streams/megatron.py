@@ -208,7 +208,7 @@ def _gpt_arrays(
     with spec.blame(spec.data_key(split)):
         indices = build_gpt_indices(
             ds.sequence_lengths,
-            numpy.arange(*sequences, dtype=numpy.int32),
+            range(*sequences),
             spec.seq_length,
             spec.seed,
             samples,

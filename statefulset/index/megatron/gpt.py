@@ -80,13 +80,18 @@ def plan_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int | None,
 
 
 def build_document_index(
-    sequence_ids: numpy.ndarray, epochs: int, rng: numpy.random.RandomState, separate_final_epoch: bool
+    sequence_ids: numpy.ndarray | range, epochs: int, rng: numpy.random.RandomState, separate_final_epoch: bool
 ) -> numpy.ndarray:
+    """``sequence_ids`` tiled ``epochs`` times and shuffled; a ``range`` (a split's ids) is made int32 once."""
     if separate_final_epoch and epochs > 1:
         first = build_document_index(sequence_ids, epochs - 1, rng, False)
         last = build_document_index(sequence_ids, 1, rng, False)
         return numpy.concatenate((first, last))
-    index = numpy.tile(numpy.asarray(sequence_ids, dtype=numpy.int32), epochs)
+    if isinstance(sequence_ids, range):
+        ids = numpy.arange(sequence_ids.start, sequence_ids.stop, sequence_ids.step, dtype=numpy.int32)
+        index = ids if epochs == 1 else numpy.tile(ids, epochs)  # a fresh array either way: shuffled in place
+    else:
+        index = numpy.tile(numpy.asarray(sequence_ids, dtype=numpy.int32), epochs)
     legacy_shuffle(rng, index)
     return index
 
@@ -155,10 +160,14 @@ class GPTIndices:
         return self.sample_index.shape[0] - 1
 
 
-def _tokens_in(sequence_lengths: numpy.ndarray, sequence_ids: numpy.ndarray) -> int:
+def _tokens_in(sequence_lengths: numpy.ndarray, sequence_ids: numpy.ndarray | range) -> int:
     """Tokens in the given sequences. A split is a contiguous id range: summing a slice of the
-    lengths is ~6x faster than gathering them (1M sequences: ~1 ms against ~6-8 ms)."""
+    lengths is ~6x faster than gathering them (1M sequences: ~1 ms against ~6-8 ms); given as a
+    ``range``, it needs no pass to find that out."""
     ids = sequence_ids
+    if isinstance(ids, range) and ids.step == 1 and 0 <= ids.start <= ids.stop <= sequence_lengths.shape[0]:
+        return int(sequence_lengths[ids.start : ids.stop].sum(dtype=numpy.int64))
+    ids = numpy.asarray(ids)
     if ids.ndim == 1 and ids.size > 1 and int(ids[-1]) - int(ids[0]) == ids.size - 1 and (numpy.diff(ids) == 1).all():
         first = int(ids[0])
         if first >= 0 and first + ids.size <= sequence_lengths.shape[0]:
@@ -168,7 +177,7 @@ def _tokens_in(sequence_lengths: numpy.ndarray, sequence_ids: numpy.ndarray) -> 
 
 def build_gpt_indices(
     sequence_lengths: numpy.ndarray,
-    sequence_ids: numpy.ndarray,
+    sequence_ids: numpy.ndarray | range,
     seq_length: int,
     seed: int,
     num_samples: int | None,
@@ -179,7 +188,7 @@ def build_gpt_indices(
     """All three arrays for one split of one shard, as megatron-core builds them."""
     if seq_length < 2:
         raise StatefulsetError(f"{where}: seq_length must be at least 2, got {seq_length}")
-    tokens_per_epoch = _tokens_in(numpy.asarray(sequence_lengths), numpy.asarray(sequence_ids))
+    tokens_per_epoch = _tokens_in(numpy.asarray(sequence_lengths), sequence_ids)
     if tokens_per_epoch <= extra:
         raise StatefulsetError(
             f"{where}: the split holds {tokens_per_epoch} tokens, too few for even one sample of {seq_length}"
