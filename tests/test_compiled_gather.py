@@ -249,9 +249,9 @@ def assert_fields(ours, theirs, what):
 def test_document_fields_in_the_batch_call_equal_the_python_version(shards, rows):
     """The batch kernel writes cu_seqlens, max_seqlen and position_ids in the call that copies the
     rows: with the rows (and loss_mask), bit for bit the Python version's (stream._fill, then the
-    numpy rule), dtypes included, into new arrays and into given ones (text in any token dtype);
-    rows the rule refuses (more documents than cu_seqlens has room for: the tiny shard's) raise its
-    error, naming the sample."""
+    numpy rule), dtypes included, into new arrays and into given ones (text in any token dtype), and
+    the same where the pieces are not kept (``keep=False``: None instead); rows the rule refuses
+    (more documents than cu_seqlens has room for: the tiny shard's) raise its error, naming the sample."""
     root, prefixes = shards
     rng = numpy.random.default_rng(100 + rows)
     refused = written = 0
@@ -263,6 +263,11 @@ def test_document_fields_in_the_batch_call_equal_the_python_version(shards, rows
             targets = FieldTargets(rows, SEQ, {})
             text, _ = stream.gather_pieces(p, documents=targets.request)
             assert targets.written == (error is None), f"{name} {p}"  # the kernel wrote them, or refused
+            lean = FieldTargets(rows, SEQ, {}, keep=False)  # the pieces not copied out where it wrote them
+            lean_text, pieces = stream.gather_pieces(p, documents=lean.request)
+            assert (pieces is None) == (error is None) == lean.written, f"{name} {p}"
+            if error is None:
+                assert_fields({"text": lean_text, **lean.fields}, {"text": text, **targets.fields}, f"{name} lean")
             if error is not None:
                 refused += 1
                 with pytest.raises(StatefulsetError) as raised:

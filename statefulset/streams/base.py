@@ -161,11 +161,11 @@ class SampleStream:
 
     def gather_pieces(
         self, positions: Any, out: numpy.ndarray | None = None, documents: list[int] | None = None
-    ) -> tuple[numpy.ndarray, Pieces]:
-        """:meth:`gather`, and the documents inside each row (:mod:`statefulset.streams.documents`);
-        ``documents``: a ``FieldTargets.request`` the batch kernel may write the document fields into."""
+    ) -> tuple[numpy.ndarray, Pieces | None]:
+        """:meth:`gather`, and the documents inside each row (:mod:`statefulset.streams.documents`); ``documents``:
+        a ``FieldTargets.request`` the batch kernel may write the fields into (None for pieces it does not keep)."""
         out, pieces = self._gather(positions, out, True, None, documents)
-        return out, _some(pieces)
+        return out, _some(pieces) if pieces is not None or documents is None else None
 
     def gather_masked(
         self,

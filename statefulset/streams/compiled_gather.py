@@ -36,7 +36,9 @@ TOKEN_KINDS = {
 }
 INDEX_KINDS = {numpy.dtype(t): k for k, t in enumerate((numpy.int16, numpy.int32, numpy.int64, numpy.uint32))}
 TABLE, SOURCE, BATCH = 6, 18, 4
-FIELDS = 6  # kernels.c's SF_FIELDS_*: cu_seqlens, max_seqlen, position_ids, iota, fill, then the code
+# kernels.c's SF_FIELDS_*: cu_seqlens, max_seqlen, position_ids, iota, fill, then the code (a request
+# then says whether the pieces are kept where the fields were written: FieldTargets.request)
+FIELDS = 6
 MEGATRON, NATIVE = 0, 1
 # Pieces a batch block holds at first, per row (a sample spans ~5 documents of 500 tokens); more
 # are made room for when a batch needs them.
@@ -69,9 +71,10 @@ class BatchKernel:
         """Rows of ``out`` (and ``masks``) from ``rows_in`` (megatron: the positions; native: each row's
         source, then its local sample); their pieces with ``want``, else None; REFUSED when not filled.
 
-        ``documents`` (with ``want``): the document fields' five addresses and a code, as
-        :class:`~statefulset.streams.documents.FieldTargets` holds them: the kernel writes the fields
-        in the same call and sets the code (0: written; else the caller computes them apart)."""
+        ``documents`` (with ``want``): the document fields' five addresses, a code and whether to keep
+        the pieces, as :class:`~statefulset.streams.documents.FieldTargets` holds them: the kernel
+        writes the fields in the same call and sets the code (0: written; else the caller computes them
+        apart). Where it wrote them and the pieces are not kept, None: they stay in the block."""
         lib = compiled.library()
         kind = TOKEN_KINDS.get(out.dtype)
         if lib is None or kind is None or (masks is not None and not self.has_masks):
@@ -105,8 +108,10 @@ class BatchKernel:
             capacity = -pieces - 2  # room for every piece of this batch, then again
         if pieces == -1:
             return REFUSED
+        lean = False  # pieces asked for only to compute the fields, which the kernel wrote: not copied out
         if tail is not None:
-            documents[FIELDS - 1] = int(block[tail + FIELDS - 1])  # type: ignore[index]
+            code = documents[FIELDS - 1] = int(block[tail + FIELDS - 1])  # type: ignore[index]
+            lean = code == 0 and not documents[FIELDS]  # type: ignore[index]
         sources = block[at : at + rows]
         used = self.datasets if len(self.datasets) == 1 else [self.datasets[d] for d in set(sources.tolist())]
         # Never a row of another version of a file (a stat each after the copy, as every gather).
@@ -114,7 +119,7 @@ class BatchKernel:
             dataset.bin_file.check_read()
             if masks is not None and dataset.loss_mask is not None:
                 dataset.loss_mask.bin_file.check_read()
-        if not want:
+        if not want or lean:
             return None
         first = at + rows + capacity
         packed = block[first : first + 2 * rows + pieces].copy()

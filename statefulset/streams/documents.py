@@ -229,8 +229,8 @@ def gather_fields(
     # pieces handed to Python and back), where the stream has one; else computed from the pieces.
     rows = positions.size if isinstance(positions, numpy.ndarray) else numpy.asarray(positions).size
     targets, lib = None, compiled.library()
-    if boundaries and WIRE not in out and rows and lib is not None:
-        targets = FieldTargets(rows, stream.seq_length, out)
+    if boundaries and WIRE not in out and rows and lib is not None:  # pieces not copied out where unused
+        targets = FieldTargets(rows, stream.seq_length, out, keep=padded or masked)
     documents = targets.request if targets is not None else None
     if masked:
         given = out.get("loss_mask")

@@ -33,16 +33,18 @@ class FieldTargets:
     """Where a batch's document fields go: ``given``'s arrays where they fit (a ring slot), else three new
     arrays; and the addresses a kernel writes them at (``request``).
 
-    ``request`` is ``[cu_seqlens, max_seqlen, position_ids, iota, fill, code]``: the three arrays'
-    addresses, the constant rows' (held here: :func:`constant_rows` may drop its copy at any time,
-    and an address alone keeps nothing alive), then a code the kernel sets, 0 once it wrote the
-    fields (``sf_gather_batch``'s ``fields``). Written for a per-batch cost of a few µs: numpy's
-    per-call overheads (``prod``, ``.ctypes``) would otherwise cost more than the kernel's work.
+    ``request`` is ``[cu_seqlens, max_seqlen, position_ids, iota, fill, code, keep]``: the three
+    arrays' addresses, the constant rows' (held here: :func:`constant_rows` may drop its copy at any
+    time, and an address alone keeps nothing alive), a code the kernel sets, 0 once it wrote the
+    fields (``sf_gather_batch``'s ``fields``), then ``keep``: whether the batch's pieces are still
+    wanted where the kernel wrote the fields (without, they are not copied out of its block: the
+    caller needs them for nothing else). Written for a per-batch cost of a few µs: numpy's per-call
+    overheads (``prod``, ``.ctypes``) would otherwise cost more than the kernel's work.
     """
 
     __slots__ = ("_held", "fields", "request")
 
-    def __init__(self, rows: int, seq_length: int, given: dict[str, numpy.ndarray]) -> None:
+    def __init__(self, rows: int, seq_length: int, given: dict[str, numpy.ndarray], keep: bool = True) -> None:
         cu, top, pos = given.get("cu_seqlens"), given.get("max_seqlen"), given.get("position_ids")
         if not (
             fits(cu, (rows, seq_length + 1), _INT32)
@@ -56,7 +58,7 @@ class FieldTargets:
         constant = constant_rows(seq_length)
         self._held = constant  # alive while a kernel may read these rows (the arrays are in fields)
         self.fields: dict[str, Any] = {"cu_seqlens": cu, "max_seqlen": top, "position_ids": pos}
-        self.request = [*addresses, constant[2], constant[3], -1]
+        self.request = [*addresses, constant[2], constant[3], -1, keep]
 
     @property
     def written(self) -> bool:
