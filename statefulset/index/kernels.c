@@ -849,13 +849,15 @@ static int64_t sf_bounded(sf_philox *g, uint64_t r) {
     return (int64_t)(m >> 32);
 }
 
-/* One row's walk: its input (text, token mask or NULL, token documents, with room for the three
- * sentinels after width), its pieces (ranges of that input) and its FIMs. */
+/* One row's walk: its input (in: the row's tokens, read in place; src: a copy of them, made only
+ * where the gather needs one, and the three sentinels after width; token mask or NULL, token
+ * documents, with room for the sentinels), its pieces (ranges of that input) and its FIMs. */
 typedef struct {
     const int64_t *params;
     const double *rates;   /* rate, fragment_rate, spm_rate: (p, qn, second) each */
     const int64_t *no_prefix;
     int64_t width, tail, npieces, nfims, at_split, nsplits;
+    const int64_t *in;
     int64_t *src, *docs, *starts, *lengths, *fims, *splits; /* fims: (first piece, spm, doc) */
     float *mask, *values; /* values: each FIM's sentinel mask value */
     sf_philox g;
@@ -886,7 +888,7 @@ static int sf_fim_permute(sf_fim_row *w, int64_t a, int64_t b, int64_t doc, cons
     int64_t np = w->params[10];
     if (np > 0 && b - a >= np) {
         int64_t k = 0;
-        while (k < np && w->src[a + k] == w->no_prefix[k]) k++;
+        while (k < np && w->in[a + k] == w->no_prefix[k]) k++;
         if (k == np) {
             sf_fim_keep(w, a, b);
             return 0;
@@ -945,13 +947,16 @@ static int sf_fim_segment(sf_fim_row *w, int64_t a, int64_t b, int64_t doc) {
 /* The row's walk over its documents' runs in [0, tail), EOD tokens kept in place: 1 if a segment
  * changed, 0 if none did, -1 on a failed draw. */
 static int sf_fim_walk(sf_fim_row *w) {
-    const int64_t *params = w->params;
+    const int64_t *in = w->in;
+    const int has_eod = w->params[6] != 0;
+    const int64_t eod = w->params[7];
     int changed = 0;
     for (int64_t start = 0, end; start < w->tail; start = end) {
         int64_t doc = w->docs != NULL ? w->docs[start] : 0, current = start;
         for (end = w->docs != NULL ? start + 1 : w->tail; end < w->tail && w->docs[end] == doc;) end++;
-        for (int64_t loc = start; params[6] && loc < end; loc++) {
-            if (w->src[loc] != params[7]) continue;
+        for (int64_t loc = start; has_eod; loc++) {
+            while (loc < end && in[loc] != eod) loc++;
+            if (loc == end) break;
             if (loc > current) {
                 int got = sf_fim_segment(w, current, loc, doc);
                 if (got < 0) return -1;
@@ -990,10 +995,17 @@ static void sf_fim_fields(const int64_t *docs, int64_t width, int32_t *cu, int32
 }
 
 /* The FIM'd row gathered from its pieces: tokens into text, mask values (after the first) into label,
- * and, with documents (out_docs not NULL), the tokens' documents into out_docs. */
+ * and, with documents (out_docs not NULL), the tokens' documents into out_docs. The leading pieces
+ * that are the row's own tokens in place (all before its first FIM) stay where they are; the rest of
+ * the row is copied into src first, as the gather overwrites text. */
 static void sf_fim_gather(sf_fim_row *w, int64_t *text, float *label, int64_t *out_docs, float *out_mask) {
-    int64_t width = w->width, o = 0, f = -1;
-    for (int64_t k = 0; k < w->npieces && o < width; k++) {
+    int64_t width = w->width, o = 0, f = -1, k = 0;
+    for (; k < w->npieces && w->starts[k] == o && o < width; k++) o += w->lengths[k];
+    if (o > width) o = width;
+    if (out_docs != NULL) memcpy(out_docs, w->docs, (size_t)o * sizeof(int64_t));
+    if (out_mask != NULL) memcpy(out_mask, w->mask, (size_t)o * sizeof(float));
+    memcpy(w->src + o, text + o, (size_t)(width - o) * sizeof(int64_t));
+    for (; k < w->npieces && o < width; k++) {
         while (f + 1 < w->nfims && w->fims[3 * (f + 1)] <= k) f++;
         int64_t s = w->starts[k], n = w->lengths[k];
         if (n <= 0) continue; /* an empty piece (a cut at a segment's end) */
@@ -1017,7 +1029,7 @@ static void sf_fim_gather(sf_fim_row *w, int64_t *text, float *label, int64_t *o
 static void sf_fim_load(sf_fim_row *w, const int64_t *text, const float *label, const int32_t *cu, int64_t cu_width) {
     const int64_t *params = w->params;
     int64_t width = w->width;
-    memcpy(w->src, text, (size_t)width * sizeof(int64_t));
+    w->in = text;
     w->src[width] = params[3], w->src[width + 1] = params[4], w->src[width + 2] = params[5];
     w->tail = width;
     if (w->mask != NULL) {
