@@ -46,7 +46,7 @@ from statefulset.transforms.fim_fields import (
     token_mask,
 )
 from statefulset.transforms.fim_rows import fim_rows
-from statefulset.transforms.fim_text import TextCodec, text_codec
+from statefulset.transforms.fim_text import TextCodec, text_codec, text_fim
 from statefulset.transforms.fim_tokens import Gathered, token_fim
 from statefulset.transforms.sample import TokenSample
 
@@ -150,6 +150,8 @@ class FillInTheMiddle:
                 "not [seq_length + 1]"
             )
         mask = token_mask(sample, text.size)
+        if mask is None and sample.cu_seqlens is None and self.codec is not None:
+            return self._plain_text(sample, text, rng)  # Megatron-LM's case: no per-token fields to carry
         if mask is None and self.tokenizer is not None:
             mask = numpy.ones(text.size, dtype=numpy.float32)  # padding may come: every sample gets a mask
         docs = document_of_tokens(sample, text.size)
@@ -170,6 +172,28 @@ class FillInTheMiddle:
             out.loss_mask = mask[1:].copy()
             return out
         return self._rebuilt(sample, got, text.size, pad_document(docs, tail))
+
+    def _plain_text(self, sample: TokenSample, text: numpy.ndarray, rng: numpy.random.Generator) -> TokenSample:
+        """Tokenizer mode for a sample without ``loss_mask`` or ``cu_seqlens``: what the general path
+        gives it (its mask all ones, so the sample gets a ``loss_mask`` of ones, padding 0), through
+        :func:`~statefulset.transforms.fim_text.text_fim` (no arrays per piece)."""
+        draws = draws_of(rng)
+        try:
+            tokens = text_fim(self, self.codec, text, draws)
+        finally:
+            draws.finish()  # the generator left as the per-call draws leave it
+        width = text.size
+        mask = numpy.ones(width, dtype=numpy.float32)
+        out = copy.copy(sample)
+        if tokens is not None:
+            if tokens.size > width:
+                tokens = tokens[:width]
+            elif tokens.size < width:
+                mask[tokens.size :] = 0.0
+                tokens = numpy.concatenate([tokens, numpy.full(width - tokens.size, self.pad_id, dtype=numpy.int64)])
+            out.text = tokens
+        out.loss_mask = mask[1:].copy()
+        return out
 
     def encode_rows_in_place(self, rows: dict[str, Any], sample_ids: numpy.ndarray, key: int) -> bool:
         """The loader's path for a whole micro-batch: ``rows`` (each field's ``[B, ...]`` array) FIM'd in
