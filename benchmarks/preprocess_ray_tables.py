@@ -38,11 +38,16 @@ def _rate(stat: dict) -> str:
     return mmm({k: stat[k] / 1e6 for k in ("median", "min", "max")}, ".2f") + "M"
 
 
+def _cpu(r: dict) -> str:
+    """CPU ms per document (user + system of the command's session, sampled every 0.2 s), if measured."""
+    return mmm(r["cpu_ms_per_doc"], ".2f") if "cpu_ms_per_doc" in r else "-"
+
+
 def _compare(section: dict, docs: int) -> list[str]:
     out = [f"{docs:,} documents, median (min–max) of {section['rounds']} alternating rounds (every tool once "
            "a round, in turn), every row a fresh process; ratios are the median (min–max) of the per-round ratios:",
-           "", "| tokenizer | tool | s | docs/s | tokens/s | ÷ `--workers 2` | Ray ÷ this |",
-           "|---|---|---|---|---|---|---|"]  # fmt: skip
+           "", "| tokenizer | tool | s | docs/s | tokens/s | CPU ms per document | ÷ `--workers 2` | Ray ÷ this |",
+           "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for tok in ("bytes", "bpe"):
         row = section.get(tok)
         if row is None:
@@ -57,21 +62,21 @@ def _compare(section: dict, docs: int) -> list[str]:
                 ray += ", not like for like"
             base = "1.00x" if key == "ours_workers_2" else mmm(r["over_workers_2"], ".2f") + "x"
             out.append(f"| {tok} | {label} | {mmm(r['seconds'], '.1f')} | {mmm(r['docs_per_s'], ',.0f')} | "
-                       f"{_rate(r['tokens_per_s'])} | {base} | {ray} |")  # fmt: skip
+                       f"{_rate(r['tokens_per_s'])} | {_cpu(r)} | {base} | {ray} |")  # fmt: skip
     same = ", ".join(f"{tok} {section[tok]['identical']}" for tok in ("bytes", "bpe") if tok in section)
     return [*out, "", f"`--workers 2` and `--executor ray` outputs byte for byte identical in every round: {same}."]
 
 
 def _scaling(section: dict, docs: int) -> list[str]:
     out = [f"| BPE, {docs:,} documents, {section['rounds']} alternating rounds | s | docs/s | tokens/s | "
-           "÷ `--workers 2` | peak task memory |", "|---|---|---|---|---|---|"]  # fmt: skip
+           "CPU ms per document | ÷ `--workers 2` | peak task memory |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for key, r in section.items():
         if not isinstance(r, dict) or "seconds" not in r:
             continue
         mem = mmm(r["peak_task_mib"], ",.0f") + " MiB" if "peak_task_mib" in r else "-"
         base = "1.00x" if key == "workers_2" else mmm(r["over_workers_2"], ".2f") + "x"
         out.append(f"| {key.replace('_', ' ')} | {mmm(r['seconds'], '.1f')} | {mmm(r['docs_per_s'], ',.0f')} | "
-                   f"{_rate(r['tokens_per_s'])} | {base} | {mem} |")  # fmt: skip
+                   f"{_rate(r['tokens_per_s'])} | {_cpu(r)} | {base} | {mem} |")  # fmt: skip
     return out
 
 
@@ -102,9 +107,6 @@ def _large(large: dict) -> list[str]:
     row = large["rows"]["bpe"]
     w2, ray = row["ours_workers_2"], row["ours_ray"]
     head = f"{large['docs']:,} documents ({large['corpus_bytes'] / 1e6:,.0f} MB), BPE"
-    if "rounds" not in large["rows"]:  # a single run from before the rounds (no stamp)
-        return [f"{head}, one run: `--workers 2` {w2['seconds']:.1f} s, `--executor ray` {ray['seconds']:.1f} s: "
-                f"Ray at {row['ray_over_workers_2']:.2f}x; outputs identical: {row['identical']}."]  # fmt: skip
     return [f"{head}, {large['rows']['rounds']} alternating rounds: `--workers 2` {mmm(w2['seconds'], '.1f')} s, "
             f"`--executor ray` {mmm(ray['seconds'], '.1f')} s: Ray at {mmm(ray['over_workers_2'], '.2f')}x "
             f"(per round); outputs identical: {row['identical']}."]  # fmt: skip
@@ -112,8 +114,6 @@ def _large(large: dict) -> list[str]:
 
 def render(results: dict, large: dict | None = None) -> str:
     """The markdown tables of docs/benchmarks.md from a saved run (the sections it holds)."""
-    if "provenance" not in results:
-        return render_legacy(results, large)
     out: list[str] = []
     if "rows" in results:
         out += _compare(results["rows"], results["docs"])
@@ -124,35 +124,6 @@ def render(results: dict, large: dict | None = None) -> str:
         if key in results:
             out += ["", *make(results[key])]
     return "\n".join(out).lstrip("\n")
-
-
-def render_legacy(results: dict, large: dict | None) -> str:
-    """The tables of a file written before the rounds and the stamp (one run per row)."""
-    out = ["| tokenizer | tool | s | docs/s | tokens/s | vs `--workers 2` | Ray vs this |",
-           "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for tok, row in results["rows"].items():
-        for key, label in NAMES.items():
-            if key in row:
-                r, base = row[key], row["ours_workers_2"]["docs_per_s"]
-                ray = row["ours_ray"]["docs_per_s"] / r["docs_per_s"]
-                ratio = f"{ray:.2f}x"
-                if key == "datatrove" and tok == "bytes":  # its byte-level BPE pipeline against our str.encode
-                    label += " (a `tokenizers` pipeline: not the same tokenizer as ours)"
-                    ratio = f"{ray:.2f}x, not like for like"
-                out.append(f"| {tok} | {label} | {r['seconds']:.1f} | {r['docs_per_s']:,.0f} | "
-                           f"{r['tokens_per_s'] / 1e6:.2f}M | {r['docs_per_s'] / base:.2f}x | {ratio} |")  # fmt: skip
-    out += ["", *_large(large)] if large else []
-    out += ["", f"| BPE, {results['docs']:,} documents | s | docs/s | tokens/s | peak task memory |",
-            "|---|---|---|---|---|"]  # fmt: skip
-    for key, r in results["scaling_bpe"].items():
-        mem = f"{r['peak_task_mib']} MiB" if "peak_task_mib" in r else "-"
-        out.append(f"| {key.replace('_', ' ')} | {r['seconds']:.1f} | {r['docs_per_s']:,.0f} | "
-                   f"{r['tokens_per_s'] / 1e6:.2f}M | {mem} |")  # fmt: skip
-    out += ["", "| memory: input (bytes tokenizer, Ray) | input bytes | peak task memory |", "|---|---|---|"]
-    out += [f"| {key} | {r['input_bytes']:,} | {r['peak_task_mib']} MiB |" for key, r in results["memory"].items()]
-    m = results["merge"]
-    out += ["", f"Merge alone: {m['bytes']:,} bytes in {m['seconds']:.2f} s ({m['gb_per_s']:.2f} GB/s)."]
-    return "\n".join(out)
 
 
 def render_bpe(record: dict) -> str:
