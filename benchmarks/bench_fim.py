@@ -146,8 +146,10 @@ def per_sample(prefix: str, path: str, count: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--documents", type=int, default=50_000)
-    parser.add_argument("--batches", type=int, default=300)
+    # 400,000 documents (~31 M tokens, ~1,900 micro-batches an epoch) hold the 100 + 1,500 batches of a
+    # run in one epoch; 50,000 (237 micro-batches an epoch) had a 300-batch run cross an epoch.
+    parser.add_argument("--documents", type=int, default=400_000)
+    parser.add_argument("--batches", type=int, default=1500)
     parser.add_argument("--samples", type=int, default=500, help="samples of the per-sample comparison")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="2,000 documents, 5 batches, 30 samples")
