@@ -143,3 +143,23 @@ def test_a_split_given_as_a_range_builds_what_its_ids_build(tmp_path, num_sample
         mine, expected = getattr(by_range, name), getattr(by_ids, name)
         assert mine.dtype == expected.dtype
         numpy.testing.assert_array_equal(mine, expected)
+
+
+def test_an_index_replaced_after_it_was_mapped_is_refused_not_identified_as_the_new_file(tmp_path):
+    """The .idx is hashed by path: a file renamed over it after the dataset mapped the old one would
+    give the old tokens the new file's identity. identify() refuses it, naming the file, and a fresh
+    open of the new version is identified as the new version."""
+    prefix = write_shard(str(tmp_path / "s"), 1)
+    other = write_shard(str(tmp_path / "other"), 2, docs=2500)
+    dataset = IndexedDataset(prefix)  # the old version mapped
+    for ext in (".idx", ".bin"):
+        os.replace(other + ext, prefix + ext)
+    memo = str(tmp_path / "memo")
+    with pytest.raises(StatefulsetError, match=r"s\.idx: changed since it was opened"):
+        identify(dataset, memo)
+    with pytest.raises(StatefulsetError, match=r"s\.idx: changed since it was opened"), Identifications(memo) as ids:
+        ids.start(dataset)
+        ids.results()
+    fresh = identify(IndexedDataset(prefix), str(tmp_path / "memo2"))
+    assert fresh.content != identify(IndexedDataset(write_shard(str(tmp_path / "again"), 1)), memo).content
+

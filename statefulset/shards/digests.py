@@ -137,12 +137,17 @@ def identify(dataset: Any, memo_dir: str | None, idx_digest: str | None = None) 
     ``idx_digest``: its ``.idx``'s :func:`shard_digest` where the caller has it already
     (:mod:`statefulset.shards.identifying` hashes it in a thread).
 
+    The ``.idx`` is hashed by path, so the file there must still be the version the dataset mapped
+    (a file renamed over it in between is refused, naming it: the digest would be another file's).
+
     Where ``statefulset prepare`` recorded the ``.bin``'s full digest for this file version, the
     sample read now must match the one recorded with it; otherwise the file was rewritten in place
     (same size, mtime and inode) and is refused, naming it.
     """
     prefix = dataset.path_prefix
     idx = idx_digest or dataset.known_digest or shard_digest(prefix, memo_dir)
+    # The digest was taken by path: the file there must still be the one this dataset mapped.
+    dataset.check_index_unchanged()
     bin_file = dataset.bin_file
     if bin_file.is_local:
         sample = bin_sample(bin_file)

@@ -75,8 +75,9 @@ class IndexedDataset:
     def _open(self, validate: bool) -> None:
         idx_path, bin_path = self.path_prefix + ".idx", self.path_prefix + ".bin"
         kind = "verified-multimodal" if self.multimodal else "verified"
+        self._idx_file: ShardFile | None = None
         if local_path(idx_path) is not None:
-            idx_file = ShardFile(idx_path, self.storage_options)
+            idx_file = self._idx_file = ShardFile(idx_path, self.storage_options)
             self._bin_file = ShardFile(bin_path, self.storage_options)
             buffer, idx_size, copy = idx_file.map(), idx_file.size, None
         else:
@@ -108,6 +109,8 @@ class IndexedDataset:
             def full_check() -> bool:
                 nonlocal arrays
                 arrays = decode(full=True)
+                # "Passed" is recorded for the version at the path now: it must be the one decoded.
+                self.check_index_unchanged()
                 return True
 
             once(kind, (idx_path, bin_path), full_check, "checking this index in full", self.facts_dir)
@@ -119,6 +122,14 @@ class IndexedDataset:
         self.dtype: numpy.dtype = arrays.header.dtype
         self._itemsize = self.dtype.itemsize
         self._bin_buffer = self._bin_file.map() if self._bin_file.is_local else None
+
+    def check_index_unchanged(self) -> None:
+        """A StatefulsetError naming the ``.idx`` when the file at its path is no longer the version this
+        dataset mapped (replaced or rewritten since): what was hashed or checked by path afterwards
+        would not be what this dataset reads. A remote index is read from its local copy, whose
+        digest comes with it: nothing to do."""
+        if self._idx_file is not None:
+            self._idx_file.check_unchanged()
 
     @property
     def bin_file(self) -> ShardFile:
