@@ -74,14 +74,8 @@ class TextCodec:
         return list(getattr(found, "ids", found))
 
     def encode(self, text: str) -> numpy.ndarray:
-        if not text:
-            return numpy.empty(0, dtype=numpy.int64)
-        if self._statefulset:
-            tokens, _ = self.tokenizer.encode_batch([text])
-            return numpy.asarray(tokens, dtype=numpy.int64)
-        found = self.tokenizer.encode(text, add_special_tokens=False) if self._add_kw else self.tokenizer.encode(text)
-        ids = getattr(found, "ids", found)
-        return numpy.asarray(list(ids), dtype=numpy.int64)
+        """:meth:`ids` as an int64 array."""
+        return numpy.asarray(self.ids(text), dtype=numpy.int64)
 
 
 def _is_statefulset_tokenizer(tokenizer: Any) -> bool:
