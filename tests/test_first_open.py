@@ -162,4 +162,3 @@ def test_an_index_replaced_after_it_was_mapped_is_refused_not_identified_as_the_
         ids.results()
     fresh = identify(IndexedDataset(prefix), str(tmp_path / "memo2"))
     assert fresh.content != identify(IndexedDataset(write_shard(str(tmp_path / "again"), 1)), memo).content
-

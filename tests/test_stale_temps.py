@@ -172,12 +172,17 @@ def test_forked_children_do_not_keep_a_dead_writers_file(tmp_path):
 @pytest.mark.parametrize("killed", ["one", "all"])
 def test_a_killed_tokeniser_worker_fails_the_run_instead_of_hanging(tmp_path, killed):
     """multiprocessing.Pool replaces a killed worker and waits forever for its chunk, ProcessPoolExecutor hung
-    when all its workers were killed; preprocess must not wait."""
+    when all its workers were killed; preprocess must not wait. The workers are held at the gate file
+    (STATEFULSET_TEST_GATE), so each holds a unit when it is killed: in CI at 1135bbb, ungated, the
+    worker noticed first had answered all it held and the error said "between tasks", not the file."""
     big = tmp_path / "big.jsonl"
-    write_jsonl(big, 60_000)
+    write_jsonl(big, 4_000)
     out = tmp_path / "out"
+    gate = tmp_path / "gate"
+    gate.write_text("")
+    env = {**os.environ, "STATEFULSET_TEST_GATE": str(gate)}
     proc = subprocess.Popen(
-        preprocess_cmd(big, out / "x", 2), stderr=subprocess.PIPE, text=True, start_new_session=True
+        preprocess_cmd(big, out / "x", 2), stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
     )
     try:
         wait_for(lambda: len(children(proc.pid)) >= 2, "the tokeniser workers")
@@ -195,6 +200,7 @@ def test_a_killed_tokeniser_worker_fails_the_run_instead_of_hanging(tmp_path, ki
         assert "Traceback" not in stderr
         assert sorted(os.listdir(out)) == []  # nothing under the final names, no temporaries either
     finally:
+        gate.unlink()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -148,6 +149,44 @@ def test_a_window_whose_head_answers_last_goes_on(tmp_path):
     env = {**os.environ, "STATEFULSET_TASK_TIMEOUT": "10"}
     run = _run([sys.executable, "-c", HEAD_LAST, str(tmp_path / "flag")], 120, env=env)
     assert run.returncode == 0 and run.stdout.strip() == "in order", run.stderr
+
+
+def _writes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscw:"))
+
+
+def _die_once_answered(n: int) -> int:
+    """Unit 0 takes long; unit 1's worker answers, then dies holding nothing: its killer thread waits
+    for the answer's write(2) (the process's write count rises) before SIGKILL, so it lands every time."""
+    if n == 0:
+        time.sleep(60)
+    else:
+        before = _writes()
+
+        def kill_once_answered() -> None:
+            deadline = time.monotonic() + 30
+            while _writes() == before and time.monotonic() < deadline:
+                time.sleep(0.005)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill_once_answered, daemon=True).start()
+    return n
+
+
+def test_a_worker_that_dies_holding_no_unit_names_the_unit_the_run_waits_on():
+    """CI at 1135bbb: both workers of a preprocess run were killed and the error said "between tasks"
+    instead of the file, because the worker noticed first had answered all it held. Now it names the
+    earliest unit the run still waits on."""
+    started = time.monotonic()
+    with pytest.raises(StatefulsetError) as caught:
+        list(ordered_map(_die_once_answered, range(2), workers=2, depth=1, initializer=_nothing,
+                         describe=lambda n: f"unit {n}"))  # fmt: skip
+    assert str(caught.value) == (
+        "unit 0 (the run's next unit; the worker held none): "
+        "a worker process killed by SIGKILL (out of memory? killed?)"
+    )
+    assert time.monotonic() - started < 30  # not unit 0's 60 s: the run ends when the worker dies
 
 
 def _fail_on_three(n: int) -> int:

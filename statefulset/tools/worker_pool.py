@@ -187,8 +187,17 @@ class _Pool:
 
     def _died(self, worker: _Worker) -> None:
         worker.process.join(JOIN_SECONDS)  # the pipe closed: the process is ending, or has
-        what = self.describe(self.items[worker.held[0]]) if worker.held else "between tasks"
-        raise WorkerDied(f"{what}: a worker process {_how(worker.process)} (out of memory? killed?)")
+        raise WorkerDied(f"{self._lost_at(worker)}: a worker process {_how(worker.process)} (out of memory? killed?)")
+
+    def _lost_at(self, worker: _Worker) -> str:
+        """The unit a dead worker held; where it held none (it had answered all and waited for more),
+        the earliest unit the run still waits on, so the error names the input all the same."""
+        if worker.held:
+            return self.describe(self.items[worker.held[0]])
+        waiting = sorted(number for other in self.workers for number in other.held)
+        if not waiting:
+            return "between tasks"
+        return f"{self.describe(self.items[waiting[0]])} (the run's next unit; the worker held none)"
 
     def held_by(self, worker: _Worker) -> str:
         full = ", not taking its next unit" if worker.tasks.waiting else ""
