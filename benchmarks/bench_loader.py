@@ -6,9 +6,10 @@ with ``seq_length`` 2048, split ``100,0,0``, seed 1234, micro-batch 8, DP rank 0
 
 * ``packing: native``: unbounded, computed from the position (one pass is 244,132 windows; the
   late position, 800,000 samples, is in the fourth pass).
-* ``packing: megatron`` with ``num_samples`` 5,000,000 and ``path_to_cache`` (megatron-core
-  0.16's GPTDataset: 5,126,793 samples over 21 epochs). The parent builds the cache once in a
-  child before anything is timed; every timed open mmaps the cached indices.
+* ``packing: megatron`` with ``num_samples`` 5,000,000 and ``path_to_cache`` (megatron-core's
+  GPTDataset, the version the results' environment names: 5,126,793 samples over 21 epochs). The
+  parent builds the cache once in a child before anything is timed; every timed open mmaps the
+  cached indices.
 
 Loaders:
 
