@@ -387,6 +387,7 @@ def _report(args: argparse.Namespace, prefix: str, mix: dict, rows: list[dict], 
         "batch": B, "seq": S, "inflight_per_process": INFLIGHT, **mix.get("megatron", {}), "packings": mix,
         "same_first_batch": all(same.values()), "same_first_batch_by_packing": same,
         "rounds_done": len(rounds), "wall_s": round(time.time() - started, 1), "results": results,
+        "command": "python benchmarks/bench_object_storage.py " + " ".join(sys.argv[1:]),
     }  # fmt: skip
 
 

@@ -33,8 +33,9 @@ def markdown(report: dict) -> str:
         f"{m['merged_requests_per_sample']:.2f} requests after merging"
         for packing, m in _mix(report).items()
     )
+    command = f"`{report['command']}`: " if report.get("command") else ""  # runs before it was recorded have none
     rows = [
-        f"{report['tokens'] / 1e6:.0f}M-token shard, {report['docs']:,} documents, GPTDataset num_samples "
+        f"{command}{report['tokens'] / 1e6:.0f}M-token shard, {report['docs']:,} documents, GPTDataset num_samples "
         f"{report['num_samples']:,}, B={report['batch']}, S={report['seq']}, {report['latency_s'] * 1e3:.0f} ms "
         f"added per request, {done} rounds of {report['seconds']:g} s per row{warmup}; {spans}; first batch "
         f"identical on every loader row of the same samples: {'yes' if report['same_first_batch'] else 'NO'}.",

@@ -117,7 +117,7 @@ def _packing(record: dict) -> str:
                     dropped = "not computed (written as 0 by that run's script)"
             rows.append(f"| {kind} (mean {entry['mean_length']:.0f}) | {label} | {r.get('samples', '—')} | "
                         f"{r.get('windows', '—')} | {_pct(r.get('padding'))} | {cut} | {dropped} |")  # fmt: skip
-    return "\n".join(rows) + "\n"
+    return report_tables.packing_setup(record) + "\n".join(rows) + "\n"
 
 
 @from_results("bench_schedules")
@@ -342,6 +342,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "preprocess_bpe": report_tables.preprocess_bpe,
     "worker_handoff": worker_handoff,
     "packing": packing,
+    "boundaries": report_tables.boundaries,
     "schedules": schedules,
     "request_cpu": request_cpu,
     "worker_start": worker_start,

@@ -315,3 +315,46 @@ def fim(record: dict) -> str:
                  f"recreation of Megatron-LM's per-sample loop {theirs}; ours ÷ Megatron-LM "
                  f"{_mmm(s['ours_over_megatron'])}."]  # fmt: skip
     return "\n".join(rows) + "\n"
+
+
+def packing_setup(record: dict) -> str:
+    """The line above a packing table: how many documents and what sample size that run used."""
+    size = record.get("window_samples")
+    windows = f", bestfit windows of {size:,} samples' worth" if size else ""
+    return (f"`{record.get('command', 'python benchmarks/bench_packing.py')}`: {record['documents']:,} documents, "
+            f"samples of {record['capacity']:,} tokens{windows}.\n\n")  # fmt: skip
+
+
+BOUNDARY_PLACES = (("in process", "in process"), ("in a worker", "in a worker"), ("2 workers", "through 2 workers"))
+
+
+@from_results("bench_packing")
+def boundaries(record: dict) -> str:
+    """Batch assembly with ``document_boundaries=True`` against without, per packing and place
+    (bench_packing.py's ``assembly`` section): the median (min–max) of the per-round slowdowns, and
+    the CPU µs a batch without → with (through 2 workers: the trainer's and its workers')."""
+    if "assembly" not in record:
+        return "Not measured in this results file (`bench_packing.py` without `--no-assembly` measures it).\n"
+    rows = ["| packing | " + " | ".join(label for _, label in BOUNDARY_PLACES) + " |", "|---|---|---|---|"]
+    shares: dict[str, float] = {}
+    for packing, r in record["assembly"].items():
+        cells = []
+        for where, _ in BOUNDARY_PLACES:
+            s = r[f"{where}, slowdown"]
+            cpu = (r[f"{where}, {side}, cpu us per batch"]["median"] for side in ("without", "with"))
+            low, mid, high = (_percent(s[k]) for k in ("min", "median", "max"))
+            cells.append(f"{mid}% [{low} .. {high}] " + "({:.0f} → {:.0f} µs)".format(*cpu))
+            shares[f"{packing} {_label(where)}"] = s["median"]
+        rows.append(f"| {packing} | " + " | ".join(cells) + " |")
+    missed = [name for name, share in shares.items() if share > 0.15]
+    verdict = f"missed for {', '.join(missed)}" if missed else "met everywhere"
+    rows += ["", f"Target (the fields cost ≤ 15% of batch assembly): {verdict}."]
+    return "\n".join(rows) + "\n"
+
+
+def _label(where: str) -> str:
+    return dict(BOUNDARY_PLACES)[where]
+
+
+def _percent(share: float) -> str:
+    return f"{round(100 * share) or 0}"  # no "-0"

@@ -263,3 +263,27 @@ def test_the_metrics_table_shows_the_cpu_time_of_the_paired_blocks():
     assert row == "| 8 x 129 | 2.00 / 4.00 / 5.00 | 0.952 / 0.978 | 0.990 / 0.996 | 0.999 / 0.999 | 0.996 / 0.998 |", (
         row
     )
+
+
+def test_the_boundaries_table_comes_from_the_assembly_section():
+    """The boundary costs of docs/benchmarks.md were a hand-copied table (issue 26): now each cell is the
+    file's median slowdown with its range and the CPU µs a batch without → with, and a file without the
+    section says so instead of showing figures."""
+    import copy
+
+    import report_tables
+
+    record = report.load("bench_packing")
+    assert record is not None and "assembly" in record
+    new = copy.deepcopy(record)
+    one = {"median": 0.5, "min": 0.25, "max": -0.004}
+    for place in ("in process", "in a worker", "2 workers"):
+        new["assembly"]["megatron"][f"{place}, slowdown"] = one
+        new["assembly"]["megatron"][f"{place}, without, cpu us per batch"] = {"median": 20.4}
+        new["assembly"]["megatron"][f"{place}, with, cpu us per batch"] = {"median": 30.6}
+    table = report_tables.boundaries.__wrapped__(new)
+    row = next(line for line in table.splitlines() if line.startswith("| megatron |"))
+    assert row == "| megatron | " + " | ".join(["50% [25 .. 0] (20 → 31 µs)"] * 3) + " |", row
+    assert "missed for megatron in process" in table
+    del new["assembly"]
+    assert "Not measured in this results file" in report_tables.boundaries.__wrapped__(new)
