@@ -22,8 +22,9 @@ The rules are Megatron-LM's (``megatron/training/datasets/fim_dataset.py``, read
 Randomness comes only from the ``rng`` the loader passes (keyed by spec seed, encoder and
 ``sample_id``), drawn in Megatron-LM's order: the rate, the two cut points, the SPM choice (read
 from its raw stream: :mod:`~statefulset.transforms.fim_draws`). Token mode is index arithmetic
-(:mod:`~statefulset.transforms.fim_tokens`); tokenizer mode runs here. How the document fields and
-``loss_mask`` follow the permuted pieces (:mod:`~statefulset.transforms.fim_fields`): docs/transforms.md.
+(:mod:`~statefulset.transforms.fim_tokens`); tokenizer mode's walk is
+:func:`~statefulset.transforms.fim_text.text_edits`. How the document fields and ``loss_mask``
+follow the permuted pieces (:mod:`~statefulset.transforms.fim_fields`): docs/transforms.md.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy
 
 from statefulset.errors import StatefulsetError
 from statefulset.shards.tokenizers import TokenizerSpec
-from statefulset.transforms.fim_draws import CallDraws, RawDraws, draws_of
+from statefulset.transforms.fim_draws import draws_of
 from statefulset.transforms.fim_fields import (
     document_of_tokens,
     pad_document,
@@ -46,16 +47,9 @@ from statefulset.transforms.fim_fields import (
     token_mask,
 )
 from statefulset.transforms.fim_rows import fim_rows
-from statefulset.transforms.fim_text import TextCodec, text_codec, text_fim
+from statefulset.transforms.fim_text import Edit, TextCodec, spliced, text_codec, text_edits, text_fim
 from statefulset.transforms.fim_tokens import Gathered, token_fim
 from statefulset.transforms.sample import TokenSample
-
-# One run of output tokens: its tokens, their token-level loss mask (None: the sample has none), and
-# the document (segment of cu_seqlens) each token belongs to.
-Run = tuple[numpy.ndarray, "numpy.ndarray | None", numpy.ndarray]
-# Tokens and their mask, before documents are attached.
-Span = tuple[numpy.ndarray, "numpy.ndarray | None"]
-Draws = RawDraws | CallDraws
 
 
 class FillInTheMiddle:
@@ -161,8 +155,8 @@ class FillInTheMiddle:
             if self.codec is None:
                 got = token_fim(self, text, mask, docs, tail, draws)
             else:
-                runs, changed = self._transform(text, mask, docs, tail, draws)
-                got = _joined(runs) if changed else None
+                edits = text_edits(self, self.codec, text, mask, runs_of(docs[:tail]), draws)
+                got = _edited(text, mask, docs, edits) if edits else None
         finally:
             draws.finish()  # the generator left as the per-call draws leave it
         if got is None:
@@ -205,100 +199,6 @@ class FillInTheMiddle:
             return False
         return fim_rows(self, rows, sample_ids, key)
 
-    def _transform(
-        self,
-        text: numpy.ndarray,
-        mask: numpy.ndarray | None,
-        docs: numpy.ndarray,
-        tail: int,
-        rng: Draws,
-    ) -> tuple[list[Run], bool]:
-        """Tokenizer mode: the sample's runs after FIM, in order; whether any segment changed."""
-        runs: list[Run] = []
-        changed = False
-        for start, end in runs_of(docs[:tail]):
-            doc = int(docs[start])
-            for a, b, fim in self._eod_split(text, start, end):
-                segment = (text[a:b], None if mask is None else mask[a:b])
-                spans, done = self._split_and_permute(segment, rng) if fim else ([segment], False)
-                changed |= done
-                runs.extend((t, m, numpy.full(t.size, doc, dtype=numpy.int64)) for t, m in spans)
-        if tail < text.size:  # padding (or trailing masked tokens): kept, never FIM'd
-            runs.append((text[tail:], None if mask is None else mask[tail:], docs[tail:]))
-        return runs, changed
-
-    def _eod_split(self, text: numpy.ndarray, start: int, end: int) -> list[tuple[int, int, bool]]:
-        """Spans of ``[start, end)``: (a, b, FIM it?); EOD tokens kept in place (Megatron-LM's segments)."""
-        if self.eod_id is None:
-            return [(start, end, True)]
-        spans, current = [], start
-        for loc in (start + numpy.flatnonzero(text[start:end] == self.eod_id)).tolist():
-            if loc > current:
-                spans.append((current, loc, True))
-            spans.append((loc, loc + 1, False))
-            current = loc + 1
-        if end > current:
-            spans.append((current, end, True))
-        return spans
-
-    def _split_and_permute(self, segment: Span, rng: Draws) -> tuple[list[Span], bool]:
-        """One segment, split at ``split_sample`` when it holds that token (Megatron-LM's rule)."""
-        tokens, mask = segment
-        if self.split_sample is None:
-            return self._permute(segment, self.rate, rng)
-        breaks = numpy.flatnonzero(tokens == self.split_sample).tolist()
-        if not breaks:
-            return self._permute(segment, self.rate, rng)
-        if not rng.binomial(self.rate):
-            return [segment], False
-        spans: list[Span] = []
-        changed = False
-        current = 0
-        for loc in [*breaks, tokens.size]:
-            if loc > current:  # an empty fragment is no FIM (Megatron-LM FIMs an empty last one)
-                fragment = (tokens[current:loc], None if mask is None else mask[current:loc])
-                got, done = self._permute(fragment, self.fragment_rate, rng)
-                spans.extend(got)
-                changed |= done
-            if loc < tokens.size:
-                spans.append((tokens[loc : loc + 1], None if mask is None else mask[loc : loc + 1]))
-            current = loc + 1
-        return spans, changed
-
-    def _permute(self, segment: Span, rate: float, rng: Draws) -> tuple[list[Span], bool]:
-        """Tokenizer mode: FIM one segment with probability ``rate``: ([its spans], changed)."""
-        tokens, mask = segment
-        codec = self.codec
-        assert codec is not None  # token mode: statefulset.transforms.fim_tokens
-        if mask is not None and mask.size and mask.min() != mask.max():
-            return [segment], False  # a per-token mask cannot follow a character cut: left as it is
-        if not rng.binomial(rate):
-            return [segment], False
-        contents = codec.decode(tokens)
-        if isinstance(self.no_prefix, str) and contents.startswith(self.no_prefix):
-            return [segment], False
-        if isinstance(self.no_prefix, tuple) and _starts_with(tokens, self.no_prefix):
-            return [segment], False
-        lo, hi = sorted(rng.pair(len(contents)))
-        value = 1.0 if mask is None or mask.size == 0 else float(mask[0])
-        encoded = [codec.encode(contents[:lo]), codec.encode(contents[lo:hi]), codec.encode(contents[hi:])]
-        pieces = [(t, None if mask is None else numpy.full(t.size, value, dtype=numpy.float32)) for t in encoded]
-        return [self._layout(pieces, value, mask is not None, rng)], True
-
-    def _layout(self, pieces: list[Span], sentinel: float, masked: bool, rng: Draws) -> Span:
-        """PSM ``<P> prefix <S> suffix <M> middle`` or SPM ``<P> <S> suffix <M> prefix middle``."""
-        (prefix, prefix_mask), (middle, middle_mask), (suffix, suffix_mask) = pieces
-        pre, mid, suf = ([self.prefix_id], [self.middle_id], [self.suffix_id])
-        one = numpy.array([sentinel], dtype=numpy.float32)
-        if rng.binomial(self.spm_rate):
-            order = [pre, suf, suffix, mid, prefix, middle]
-            masks = [one, one, suffix_mask, one, prefix_mask, middle_mask]
-        else:
-            order = [pre, prefix, suf, suffix, mid, middle]
-            masks = [one, prefix_mask, one, suffix_mask, one, middle_mask]
-        tokens = numpy.concatenate([numpy.asarray(t, dtype=numpy.int64) for t in order])
-        return tokens, numpy.concatenate(masks).astype(numpy.float32) if masked else None  # type: ignore[arg-type]
-
     def _rebuilt(self, sample: TokenSample, got: Gathered, width: int, pad_doc: int) -> TokenSample:
         """The sample from its FIM'd tokens: cut or padded to ``width`` tokens, its fields following the pieces."""
         tokens, mask, docs = got
@@ -321,21 +221,15 @@ class FillInTheMiddle:
         return out
 
 
-def _joined(runs: list[Run]) -> Gathered:
-    """Tokenizer mode's runs as one array of tokens, of mask values (or None) and of documents."""
-    tokens = numpy.concatenate([r[0] for r in runs]).astype(numpy.int64)
-    docs = numpy.concatenate([r[2] for r in runs])
-    masked = runs[0][1] is not None
-    mask = numpy.concatenate([r[1] for r in runs]).astype(numpy.float32) if masked else None  # type: ignore[misc]
-    return tokens, mask, docs
-
-
-def _part(mask: numpy.ndarray | None, a: int, b: int) -> numpy.ndarray | None:
-    return None if mask is None else mask[a:b]
-
-
-def _starts_with(tokens: numpy.ndarray, prefix: tuple[int, ...]) -> bool:
-    return tokens.size >= len(prefix) and bool((tokens[: len(prefix)] == numpy.asarray(prefix)).all())
+def _edited(text: numpy.ndarray, mask: numpy.ndarray | None, docs: numpy.ndarray, edits: list[Edit]) -> Gathered:
+    """Tokenizer mode's output: the tokens, mask values (or None) and documents with each edit's range
+    given way to its tokens, which take the range's mask value and document (one each throughout)."""
+    tokens = spliced(text, edits, lambda a, got: got).astype(numpy.int64)
+    out_docs = spliced(docs, edits, lambda a, got: numpy.full(got.size, docs[a], dtype=numpy.int64))
+    if mask is None:
+        return tokens, None, out_docs
+    out_mask = spliced(mask, edits, lambda a, got: numpy.full(got.size, mask[a], dtype=numpy.float32))
+    return tokens, out_mask.astype(numpy.float32), out_docs
 
 
 def _tokenizer_identity(tokenizer: Any) -> str | None:

@@ -97,71 +97,107 @@ def text_codec(tokenizer: Any) -> TextCodec:
     return TextCodec(tokenizer)
 
 
+# A FIM'd fragment: ``text[a:b]`` gives way to these int64 tokens (the layout of its three pieces).
+Edit = tuple[int, int, numpy.ndarray]
+
+
+def text_edits(
+    fim: Any,
+    codec: TextCodec,
+    text: numpy.ndarray,
+    mask: numpy.ndarray | None,
+    runs: list[tuple[int, int]],
+    draws: Any,
+) -> list[Edit]:
+    """Tokenizer mode's walk over ``text``: the segments of each document run ``(start, end)`` in
+    ``runs`` (split again at ``eod_id``), their fragments and draws (Megatron-LM's rules, in its
+    order: the module docstring of :mod:`~statefulset.transforms.fim`); each FIM'd segment or
+    fragment as an :data:`Edit`, in order. Empty: no segment changed. Everything outside the edits
+    stays where it is. A segment whose ``mask`` (per token; None: no mask) is not one value
+    throughout is left as it is (a per-token mask cannot follow a character cut)."""
+    walk = _Walk(fim, codec, text, mask, draws)
+    for start, end in runs:
+        for a, b in _segments(text, start, end, fim.eod_id):
+            walk.segment(a, b)
+    return walk.edits
+
+
+def spliced(values: numpy.ndarray, edits: list[Edit], replaced: Any) -> numpy.ndarray:
+    """``values`` (one per token of the text) with each edit's range given way to ``replaced(a,
+    tokens)``: the FIM'd sample's tokens, mask or documents, from slices and one array per edit."""
+    chunks: list[numpy.ndarray] = []
+    kept = 0  # values[kept:] not yet taken
+    for a, b, tokens in edits:
+        chunks.append(values[kept:a])
+        chunks.append(replaced(a, tokens))
+        kept = b
+    chunks.append(values[kept:])
+    return numpy.concatenate(chunks)
+
+
 def text_fim(fim: Any, codec: TextCodec, text: numpy.ndarray, draws: Any) -> numpy.ndarray | None:
     """Tokenizer-mode FIM of a sample with neither a loss mask nor documents (Megatron-LM's case): its
     tokens after FIM (int64, not yet cut or padded to the sample's width), or None when no segment
-    changed. The segments, draws and pieces of ``FillInTheMiddle._transform`` (its mask all ones
-    there, so never consulted), built as slices of ``text`` and one array per FIM'd fragment instead
-    of an array, a mask and documents per piece: the same tokens (``tests/test_fim_text.py``)."""
-    chunks: list[numpy.ndarray] = []
-    kept = 0  # text[kept:] not yet taken
-    for a, b in _segments(text, fim.eod_id):
-        got = _segment(fim, codec, text[a:b], draws)
-        if got is None:
-            continue
-        if a > kept:
-            chunks.append(text[kept:a])
-        chunks.extend(got)
-        kept = b
-    if not chunks:
+    changed: the whole sample one document run, no mask to carry (``tests/test_fim_text.py``)."""
+    edits = text_edits(fim, codec, text, None, [(0, int(text.size))], draws)
+    if not edits:
         return None
-    if kept < text.size:
-        chunks.append(text[kept:])
-    return numpy.concatenate(chunks).astype(numpy.int64)  # as FillInTheMiddle's _joined promotes and casts
+    return spliced(text, edits, lambda a, tokens: tokens).astype(numpy.int64)
 
 
-def _segments(text: numpy.ndarray, eod_id: int | None) -> list[tuple[int, int]]:
-    """The non-empty runs between EOD tokens (Megatron-LM's segments; the EOD tokens stay in place)."""
+def _segments(text: numpy.ndarray, start: int, end: int, eod_id: int | None) -> list[tuple[int, int]]:
+    """The non-empty runs of ``[start, end)`` between EOD tokens (Megatron-LM's segments; the EOD
+    tokens stay in place)."""
     if eod_id is None:
-        return [(0, int(text.size))]
-    bounds = [-1, *numpy.flatnonzero(text == eod_id).tolist(), int(text.size)]
+        return [(start, end)]
+    bounds = [start - 1, *(start + numpy.flatnonzero(text[start:end] == eod_id)).tolist(), end]
     return [(a + 1, b) for a, b in itertools.pairwise(bounds) if b > a + 1]
 
 
-def _segment(fim: Any, codec: TextCodec, tokens: numpy.ndarray, draws: Any) -> list[numpy.ndarray] | None:
-    """One segment's pieces, split at ``split_sample`` when it holds that token; None when unchanged."""
-    breaks = [] if fim.split_sample is None else numpy.flatnonzero(tokens == fim.split_sample).tolist()
-    if not breaks:
-        got = _permute(fim, codec, tokens, fim.rate, draws)
-        return None if got is None else [got]
-    if not draws.binomial(fim.rate):
-        return None
-    pieces, changed, current = [], False, 0
-    for loc in [*breaks, tokens.size]:
-        if loc > current:  # an empty fragment is no FIM
-            got = _permute(fim, codec, tokens[current:loc], fim.fragment_rate, draws)
-            changed |= got is not None
-            pieces.append(tokens[current:loc] if got is None else got)
-        if loc < tokens.size:
-            pieces.append(tokens[loc : loc + 1])
-        current = loc + 1
-    return pieces if changed else None
+class _Walk:
+    """One segment or fragment at a time, recording the FIM'd ones as edits."""
 
+    def __init__(self, fim: Any, codec: TextCodec, text: numpy.ndarray, mask: numpy.ndarray | None, draws: Any):
+        self.fim, self.codec, self.text, self.mask, self.draws = fim, codec, text, mask, draws
+        self.edits: list[Edit] = []
 
-def _permute(fim: Any, codec: TextCodec, tokens: numpy.ndarray, rate: float, draws: Any) -> numpy.ndarray | None:
-    """FIM one fragment with probability ``rate`` (the rate, the cut points, the SPM choice); None: kept."""
-    if not draws.binomial(rate):
-        return None
-    contents = codec.decode(tokens)
-    prefix = fim.no_prefix
-    if isinstance(prefix, str) and contents.startswith(prefix):
-        return None
-    if isinstance(prefix, tuple) and tokens.size >= len(prefix) and (tokens[: len(prefix)] == prefix).all():
-        return None
-    lo, hi = sorted(draws.pair(len(contents)))
-    before, middle, after = codec.ids(contents[:lo]), codec.ids(contents[lo:hi]), codec.ids(contents[hi:])
-    if draws.binomial(fim.spm_rate):
-        ids = [fim.prefix_id, fim.suffix_id, *after, fim.middle_id, *before, *middle]
-    else:
-        ids = [fim.prefix_id, *before, fim.suffix_id, *after, fim.middle_id, *middle]
-    return numpy.array(ids, dtype=numpy.int64)
+    def segment(self, a: int, b: int) -> None:
+        """``text[a:b]``, split at ``split_sample`` when it holds that token (Megatron-LM's rule)."""
+        fim = self.fim
+        if fim.split_sample is None:
+            self.permute(a, b, fim.rate)
+            return
+        breaks = (a + numpy.flatnonzero(self.text[a:b] == fim.split_sample)).tolist()
+        if not breaks:
+            self.permute(a, b, fim.rate)
+            return
+        if not self.draws.binomial(fim.rate):
+            return
+        current = a
+        for loc in [*breaks, b]:
+            if loc > current:  # an empty fragment is no FIM (Megatron-LM FIMs an empty last one)
+                self.permute(current, loc, fim.fragment_rate)
+            current = loc + 1  # the split token stays in place
+
+    def permute(self, a: int, b: int, rate: float) -> None:
+        """FIM ``text[a:b]`` with probability ``rate`` (the rate, the cut points, the SPM choice)."""
+        fim, codec, tokens = self.fim, self.codec, self.text[a:b]
+        if self.mask is not None:
+            mask = self.mask[a:b]
+            if mask.min() != mask.max():
+                return  # a per-token mask cannot follow a character cut: left as it is
+        if not self.draws.binomial(rate):
+            return
+        contents = codec.decode(tokens)
+        prefix = fim.no_prefix
+        if isinstance(prefix, str) and contents.startswith(prefix):
+            return
+        if isinstance(prefix, tuple) and tokens.size >= len(prefix) and (tokens[: len(prefix)] == prefix).all():
+            return
+        lo, hi, spm = self.draws.cut(len(contents), fim.spm_rate)
+        before, middle, after = codec.ids(contents[:lo]), codec.ids(contents[lo:hi]), codec.ids(contents[hi:])
+        if spm:
+            ids = [fim.prefix_id, fim.suffix_id, *after, fim.middle_id, *before, *middle]
+        else:
+            ids = [fim.prefix_id, *before, fim.suffix_id, *after, fim.middle_id, *middle]
+        self.edits.append((a, b, numpy.array(ids, dtype=numpy.int64)))

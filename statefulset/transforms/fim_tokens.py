@@ -101,7 +101,8 @@ def _runs(docs: numpy.ndarray, tail: int) -> list[tuple[int, int]]:
 
 
 class _Unit:
-    """One segment or fragment at a time: the draws and pieces of :meth:`FillInTheMiddle._permute`."""
+    """One segment or fragment at a time: the draws and pieces of tokenizer mode's walk
+    (:func:`~statefulset.transforms.fim_text.text_edits`)."""
 
     def __init__(self, fim: Any, text: numpy.ndarray, mask: numpy.ndarray | None, pieces: _Pieces, draws: Any) -> None:
         self.fim, self.text, self.mask, self.pieces, self.draws = fim, text, mask, pieces, draws
