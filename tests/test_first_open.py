@@ -6,6 +6,8 @@ one thing after the other, and nothing is looked up or written under a digest be
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shutil
 import threading
@@ -69,6 +71,46 @@ def test_a_failed_hash_is_raised_by_results(tmp_path):
         with pytest.raises(StatefulsetError, match=r"s\.idx: cannot read to identify the shard"):
             identifying.results()
     assert not digest_threads()
+
+
+def test_leaving_while_a_hash_is_under_way_warns_naming_the_idx_and_the_bound(tmp_path, monkeypatch, caplog):
+    """Leaving the block waits STATEFULSET_CACHE_WAIT for the hashes under way; one still running
+    then is left to its (daemon) thread with a WARNING naming the .idx and the bound. The hash is
+    held by a real read: the .idx is a FIFO whose writer sends nothing until the block is left."""
+    prefix = write_shard(str(tmp_path / "s"), 1)
+    dataset = IndexedDataset(prefix)  # the .idx stays mapped
+    os.unlink(prefix + ".idx")
+    os.mkfifo(prefix + ".idx")
+    monkeypatch.setenv("STATEFULSET_CACHE_WAIT", "0.25")
+    writer = None
+    try:
+        with caplog.at_level(logging.WARNING, logger="statefulset"), Identifications(str(tmp_path / "memo")) as ids:
+            ids.start(dataset)
+            writer = _writer_once_read(prefix + ".idx")  # the thread now waits in a read
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warned == [
+            f"statefulset: {prefix}.idx: still being hashed after 0.25 s (STATEFULSET_CACHE_WAIT) when its "
+            "open ended; left to its thread, which ends when the hash does"
+        ]
+        assert digest_threads()  # held by the read, as the warning says
+    finally:
+        if writer is not None:
+            os.close(writer)  # end of file: the hash ends
+    for thread in digest_threads():
+        thread.join(30)
+    assert not digest_threads()
+
+
+def _writer_once_read(fifo: str) -> int:
+    """A writer of ``fifo``, opened once a reader has opened it (before: ENXIO), within 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise AssertionError(f"{fifo}: the hashing thread did not open it for reading in 30 s") from exc
+            time.sleep(0.01)
 
 
 def megatron_spec(prefix: str, cache: str, num_samples: int | None = None) -> dict:

@@ -14,14 +14,18 @@ computed, before it returns. A shard whose digest the facts already hold starts 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from typing import Any
 
 from statefulset import settings
 from statefulset.errors import StatefulsetError
 from statefulset.shards import facts
 from statefulset.shards.digests import ShardDigest, identify, shard_digest
+
+logger = logging.getLogger("statefulset")
 
 THREADS = 4  # at most this many .idx files hashed at once (each thread holds a 1 MiB buffer)
 
@@ -33,6 +37,7 @@ class _Hash:
         self.prefix = prefix
         self.digest: str | None = None
         self.error: BaseException | None = None
+        self.begun = False  # taken by a thread (under the lock): hashed, not dropped, when the open ends
         self.done = threading.Event()
 
 
@@ -40,7 +45,9 @@ class Identifications:
     """The identities of a list of opened shards (:class:`~statefulset.shards.reader.IndexedDataset`), in order.
 
     Use it as a context manager: leaving the block waits for the hashes under way and drops those
-    not begun, so that no thread outlives the open (not even a failed one).
+    not begun, so that no thread outlives the open (not even a failed one). The wait is bounded by
+    ``STATEFULSET_CACHE_WAIT`` in all; a hash still running then is named in a WARNING and left to
+    its (daemon) thread.
     """
 
     def __init__(self, memo_dir: str | None) -> None:
@@ -58,8 +65,16 @@ class Identifications:
         with self._lock:
             self._queue.clear()
         bound = settings.CACHE_WAIT.get()
+        deadline = time.monotonic() + bound
         for thread in self._threads:
-            thread.join(bound)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:  # a thread past its last hash ends at once: only those still hashing are named
+            held = [f"{job.prefix}.idx" for _, job in self._jobs if job and job.begun and not job.done.is_set()]
+        if held:
+            logger.warning(
+                "statefulset: %s: still being hashed after %g s (STATEFULSET_CACHE_WAIT) when its open ended; "
+                "left to its thread, which ends when the hash does", ", ".join(held), bound,
+            )  # fmt: skip
 
     def start(self, dataset: Any) -> None:
         """Begin identifying ``dataset``: its ``.idx`` hashed in a thread unless its digest is known."""
@@ -84,6 +99,7 @@ class Identifications:
                     self._working -= 1  # under the lock that start() takes: a job queued later starts a thread
                     return
                 job = self._queue.pop(0)
+                job.begun = True
             try:
                 job.digest = shard_digest(job.prefix, self._memo)
             except BaseException as exc:  # handed to the caller by results()
