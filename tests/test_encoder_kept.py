@@ -21,7 +21,8 @@ from statefulset import (
     get_savable_loader,
     get_train_dataset,
 )
-from statefulset.loading.encoded_ring import staged, write_slot
+from statefulset.loading.encoded_ring import staged, staged_kept, staged_names, write_slot
+from statefulset.loading.ring import BatchRing
 from statefulset.streams.documents import FieldSpec
 from statefulset.transforms.encoder import TaskEncoderRunner
 
@@ -147,8 +148,9 @@ def test_staging_kept_samples_equals_checking_each_sample(encoder, shift):
     samples, kept = runner.encode_rows(views, ids, ["s"] * 12)
     assert kept
     limits = numpy.iinfo(numpy.uint16)
-    fast = staged(samples, fields, ids, rows, views, kept=True)
-    slow = staged(samples, fields, ids)  # each sample's values checked and copied
+    names = staged_names(fields)
+    fast = staged(samples, fields, names, ids, rows, views, kept=True)
+    slow = staged(samples, fields, names, ids)  # each sample's values checked and copied
     assert fast is not None and slow is not None
     assert list(fast.arrays) == list(slow.arrays) == ["text", "position_ids"]
     for name in slow.arrays:
@@ -164,6 +166,33 @@ def test_staging_kept_samples_equals_checking_each_sample(encoder, shift):
         if fits:
             assert numpy.array_equal(view["text"][1], rows["text"])
             assert numpy.array_equal(view["position_ids"][1], rows["position_ids"])
+
+
+def test_each_ring_stages_by_its_own_field_order():
+    """Whether a ring's batches can be staged is the ring's own (``BatchRing.staged_names``, computed
+    once, no state shared between rings): rings of fields in and out of a TokenSample's order, used
+    in turn, each stage by their own."""
+    in_order = [
+        FieldSpec("text", (9,), numpy.dtype(numpy.int64)),
+        FieldSpec("position_ids", (8,), numpy.dtype(numpy.int64)),
+    ]
+    rings = [BatchRing(1, 1, 12, fields) for fields in (in_order, in_order[::-1], list(in_order))]
+    assert [ring.staged_names for ring in rings] == [("text", "position_ids"), None, ("text", "position_ids")]
+    ids = numpy.arange(12, dtype=numpy.int64)
+    rows = _rows(12, 3)
+    views = {name: list(values) for name, values in rows.items()}
+    samples, kept = TaskEncoderRunner(Identity(), seed=0).encode_rows(views, ids, ["s"] * 12)
+    assert kept
+    for ring in [*rings, *rings[::-1]]:
+        for found in (
+            staged(samples, ring.fields, ring.staged_names, ids),
+            staged_kept(rows, None, ring.fields, ring.staged_names, ids),
+        ):
+            if ring.staged_names is None:
+                assert found is None  # collated and packed instead
+            else:
+                assert list(found.arrays) == ["text", "position_ids"]
+                assert all(numpy.array_equal(found.arrays[name], rows[name]) for name in found.arrays)
 
 
 CASES = {

@@ -151,13 +151,13 @@ class BatchSource(IterableDataset):
         if not self.encoder.collates:
             return self.encoder.micro_batch(fields, positions, sources, keep=False)
         if self.encoder.encode_in_place(fields, positions):  # FillInTheMiddle's compiled path: rows changed in place
-            found = staged_kept(fields, slot_rows, ring.fields, positions)
+            found = staged_kept(fields, slot_rows, ring.fields, ring.staged_names, positions)
             if found is not None:
                 return found.placed(home, slot_rows)
             return self.encoder.batched(self.encoder.as_samples(fields, positions, sources), int(positions[0]))
         views = {name: list(values) for name, values in fields.items()}  # each row's view, made at once
         samples, kept = self.encoder.encode_rows(views, positions, sources)
-        layout = (ring.fields, positions)
+        layout = (ring.fields, ring.staged_names, positions)
         found = staged_kept(fields, slot_rows, *layout) if kept else staged(samples, *layout, fields, views)
         return found.placed(home, slot_rows) if found is not None else self.encoder.batched(samples, int(positions[0]))
 

@@ -70,24 +70,18 @@ class Staged:
         return out
 
 
-_last_names: list[Any] = [None, None]  # the last fields list _names was asked about (a ring's), and its answer
-
-
-def _names(fields: list[FieldSpec]) -> tuple[str, ...] | None:
-    """The ring's field names, when they are in the order a TokenSample lists them (else never staged);
-    remembered for the last list asked about (a ring's fields, asked once per micro-batch)."""
-    if _last_names[0] is fields:
-        return _last_names[1]
+def staged_names(fields: list[FieldSpec]) -> tuple[str, ...] | None:
+    """A ring's field names, when they are in the order a TokenSample lists them; None: its batches
+    are never staged. Asked once per micro-batch: the ring computes it once (``BatchRing.staged_names``)."""
     names = tuple(f.name for f in fields)
     order = [n for n in DATASET_FIELDS if n in names]
-    found = names if list(names) == order and len(order) == len(names) else None
-    _last_names[:] = [fields, found]
-    return found
+    return names if list(names) == order and len(order) == len(names) else None
 
 
 def staged(
     samples: list[Any],
     fields: list[FieldSpec],
+    names: tuple[str, ...] | None,
     positions: numpy.ndarray,
     rows: dict[str, numpy.ndarray] | None = None,
     views: dict[str, list[numpy.ndarray]] | None = None,
@@ -95,6 +89,7 @@ def staged(
 ) -> Staged | None:
     """The samples staged for the ring (see the module's docstring), or None when they do not qualify.
 
+    ``fields``, ``names``: the ring's fields and their :func:`staged_names`.
     ``rows``/``views``: the micro-batch's fields and the row views the samples were made from
     (:meth:`BatchSource.encoded`). A field whose every sample still holds its own row view (an
     identity, or a change made in place) is staged as ``rows``' array itself, without a copy.
@@ -102,7 +97,6 @@ def staged(
     very objects and nothing else (``TaskEncoderRunner.encode_rows``): then only ``rows`` is checked,
     once per micro-batch, not each sample.
     """
-    names = _names(fields)
     if names is None:
         return None
     if kept and rows is not None:
@@ -140,16 +134,20 @@ def staged(
 
 
 def staged_kept(
-    rows: dict[str, Any], slot_rows: dict[str, numpy.ndarray] | None, fields: list[FieldSpec], positions: numpy.ndarray
+    rows: dict[str, Any],
+    slot_rows: dict[str, numpy.ndarray] | None,
+    fields: list[FieldSpec],
+    names: tuple[str, ...] | None,
+    positions: numpy.ndarray,
 ) -> Staged | None:
     """:func:`staged` of kept samples (or rows changed in place: ``rows``, the micro-batch's fields). When
     they are still exactly the slot's own arrays (``slot_rows``, made by ``BatchSource.encoded`` from
     ``ring.view``: the ring's fields, in order, of their shapes and dtypes by construction), nothing is
     checked: the rows are in place; else they are checked once (:func:`_kept`)."""
-    in_place = slot_rows is not None and len(rows) == len(slot_rows) and _names(fields) is not None
+    in_place = slot_rows is not None and len(rows) == len(slot_rows) and names is not None
     if in_place and all(rows.get(name) is array for name, array in slot_rows.items()):  # type: ignore[union-attr]
         return Staged(slot_rows, positions)  # type: ignore[arg-type]
-    return staged([], fields, positions, rows, kept=True)
+    return staged([], fields, names, positions, rows, kept=True)
 
 
 def _kept(

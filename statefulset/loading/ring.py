@@ -12,6 +12,7 @@ import numpy
 import torch
 
 from statefulset.errors import StatefulsetError
+from statefulset.loading.encoded_ring import staged_names
 from statefulset.shards import storage_stats
 from statefulset.streams.documents import FieldSpec
 
@@ -61,6 +62,7 @@ class BatchRing:
         self.workers, self.slots, self.bundle = workers, slots, bundle
         self.batch_size = batch_size
         self.fields = list(fields)
+        self.staged_names = staged_names(self.fields)  # asked every encoded micro-batch (encoded_ring)
         self.dtype = self.fields[0].dtype  # text's: what read-ahead builds rows in
         self.limits = numpy.iinfo(self.dtype)  # the tokens a slot holds (an encoder's are checked against it)
         self.shape = (bundle, batch_size, *self.fields[0].shape)
