@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy
 import pytest
+from waiting import wait_for
 
 from statefulset import IndexedDataset, IndexedDatasetWriter, StatefulsetError
 from statefulset.index import cache as cache_module
@@ -178,20 +179,13 @@ LOCK_CHILD = textwrap.dedent(
 )
 
 
-def _wait_for(path, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"timed out waiting for {path}"
-        time.sleep(0.01)
-
-
 def test_a_second_builder_waits_for_the_first_and_loads_its_entry(tmp_path):
     # The two requests overlap for certain: the second starts while the first is inside its build.
     root, go = str(tmp_path / "cache"), str(tmp_path / "go")
     building, eager_ran = str(tmp_path / "building"), str(tmp_path / "eager-ran")
     first = subprocess.Popen([sys.executable, "-c", LOCK_CHILD, root, "slow", building, go], stdout=subprocess.PIPE)
     try:
-        _wait_for(building)
+        wait_for(lambda: os.path.exists(building), f"the first builder to start ({building})")
         second = subprocess.Popen(
             [sys.executable, "-c", LOCK_CHILD, root, "eager", eager_ran, go], stdout=subprocess.PIPE
         )

@@ -8,11 +8,10 @@ corpus's dtype."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy
 import pytest
 import torch
+from encoders import AnotherSample, Identity, ReAdds
 
 from statefulset import (
     IndexedDatasetWriter,
@@ -27,11 +26,6 @@ from statefulset.streams.documents import FieldSpec
 from statefulset.transforms.encoder import TaskEncoderRunner
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
-
-class Identity:
-    def encode_sample(self, sample):
-        return sample
 
 
 class ShiftsInPlace:
@@ -69,24 +63,9 @@ class EqualCopy:
         return sample
 
 
-class AnotherSample:
-    def encode_sample(self, sample):
-        return dataclasses.replace(sample)  # the same arrays in another TokenSample
-
-
 class AddsField:
     def encode_sample(self, sample):
         sample.flag = numpy.int64(1)
-        return sample
-
-
-class ReAdds:
-    """Deletes a field and sets it again to the same array: the sample's fields change order, not kept."""
-
-    def encode_sample(self, sample):
-        text = sample.text
-        del sample.text
-        sample.text = text
         return sample
 
 

@@ -18,17 +18,10 @@ import textwrap
 import time
 
 import pytest
+from waiting import wait_for
 
 from statefulset.errors import StatefulsetError
 from statefulset.shards import liveness, locks
-
-
-def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import time
 import numpy
 import pytest
 from campaign.procs import children
+from waiting import wait_for
 
 from statefulset import IndexedDataset, IndexedDatasetWriter
 from statefulset.shards import liveness, temporaries
@@ -31,14 +32,6 @@ TEMP = re.compile(r"^\.x_(text|title)_document\.bin\..*\.tmp$")
 
 def temps(folder) -> list[str]:
     return sorted(n for n in os.listdir(folder) if n.endswith(".tmp"))
-
-
-def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 def write_jsonl(path, documents: int) -> None:

@@ -12,6 +12,7 @@ import random
 import numpy
 import pytest
 import torch
+from encoders import Nested
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ranks import init_rank, spawn
@@ -60,26 +61,6 @@ class Undecorated:
     def encode_sample(self, sample):
         sample.noise = numpy.random.rand()
         return sample
-
-
-class Nested:
-    """batch() returning nested structures with numpy arrays, tensors, numbers and strings."""
-
-    def encode_sample(self, sample, rng):
-        sample.mask = rng.random(sample.text.shape[0]) < 0.5
-        return sample
-
-    def batch(self, samples):
-        return {
-            "tokens": numpy.stack([s.text for s in samples]).astype(numpy.int32),
-            "parts": [(s.sample_id, s.source, s.mask) for s in samples],
-            "ids": torch.tensor([s.sample_id for s in samples]),
-            "meta": {"count": len(samples), "name": "nested", "half": numpy.float16(0.5)},
-        }
-
-    def encode_batch(self, batch):
-        batch["encoded"] = True
-        return batch
 
 
 @pytest.fixture(scope="module")

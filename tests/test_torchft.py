@@ -16,14 +16,16 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import numpy
 import pytest
 import torch
+from campaign.procs import alive, describe, wait_gone
+from encoders import Nested
 from quorums import ScriptedQuorum
+from waiting import wait_for
 
 from statefulset import StatefulsetError, WorkerConfig, get_train_dataset
 from statefulset.integrations.torchft import FaultTolerantLoader
@@ -145,13 +147,6 @@ def test_bad_arguments_are_refused(spec, replica):
         FaultTolerantLoader(ds, replica.manager, worker_config=wc)
 
 
-def _wait_for(condition, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
-        time.sleep(0.01)
-
-
 def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale_prefetch(spec):
     """Quorums 3 -> 2 (this replica keeping its rank) -> 2 (rank 1 -> 0) -> 3 -> 1 participants, a
     failed commit in between: the same two worker processes serve the whole run (no fork at a
@@ -174,7 +169,7 @@ def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale
     for step, (participants, rank) in enumerate(script):
         if (participants, rank) != (quorum.participants, quorum.rank):
             pool = loader.workers
-            _wait_for(lambda pool=pool: pool.built_ahead() >= 2, 60, "the workers to build the old plan ahead")
+            wait_for(lambda pool=pool: pool.built_ahead() >= 2, "the workers to build the old plan ahead", 60)
         quorum.participants, quorum.rank = participants, rank
         batch = next(loader)
         n = loader.last.replica_batch
@@ -194,7 +189,7 @@ def test_a_quorum_change_retargets_the_same_workers_and_never_serves_their_stale
     assert sorted(p.pid for p in multiprocessing.active_children()) == sorted(pids)
     del loader, batch, pool
     gc.collect()
-    _wait_for(lambda: not multiprocessing.active_children(), 30, "the dropped loader's workers to exit")
+    wait_for(lambda: not multiprocessing.active_children(), "the dropped loader's workers to exit", 30)
 
 
 TRAINER = """
@@ -231,15 +226,6 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie left for init to reap is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize(
     ("batches", "gate"),
     [(1, "start"), (3, "none"), (1, "checked")],
@@ -255,33 +241,18 @@ def test_the_workers_die_with_a_trainer_killed_by_sigkill(spec, tmp_path, batche
     out = tmp_path / "pids.json"
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, spec, str(out), str(batches), gate])
     try:
-        _wait_for(lambda: out.exists() and out.read_text(), 120, "the trainer to write its worker pids")
+        wait_for(lambda: out.exists() and out.read_text(), "the trainer to write its worker pids", 120)
         pids = json.loads(out.read_text())
-        assert len(pids) == 2 and all(_running(p) for p in pids)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
     finally:
         trainer.kill()
         trainer.wait(timeout=30)
         Path(str(out) + ".killed").write_text("")  # the gated workers go on
     # torch's workers look at their parent every 5 s (MP_STATUS_CHECK_INTERVAL) and leave.
-    deadline = time.monotonic() + 60
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = {p: _state(p) for p in pids if _running(p)}
+    left = {p: describe(p) for p in wait_gone(pids, 60)}
     for p in left:  # not left behind by a failing run either
         os.kill(p, signal.SIGKILL)
     assert not left, f"workers still running 60 s after their trainer was SIGKILLed: {left}"
-
-
-def _state(pid: int) -> str:
-    """A process's state, kernel wait channel and Python-visible name, for a failure message."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            status = dict(line.split(":", 1) for line in f if ":" in line)
-        with open(f"/proc/{pid}/wchan") as f:
-            wchan = f.read()
-        return f"{status['Name'].strip()} {status['State'].strip()} ppid {status['PPid'].strip()} wchan {wchan}"
-    except (FileNotFoundError, KeyError):
-        return "gone"
 
 
 class AddsNoise:
@@ -290,21 +261,6 @@ class AddsNoise:
     def encode_sample(self, sample, rng):
         sample.text = sample.text + rng.integers(0, 100, size=sample.text.shape)
         return sample
-
-
-class Restructures:
-    """A batch of another structure (numpy arrays, tensors, strings): it travels packed, not in the ring."""
-
-    def encode_sample(self, sample, rng):
-        sample.mask = rng.random(sample.text.shape[0]) < 0.5
-        return sample
-
-    def batch(self, samples):
-        return {
-            "tokens": numpy.stack([s.text for s in samples]).astype(numpy.int32),
-            "parts": [(s.sample_id, s.source, s.mask) for s in samples],
-            "ids": torch.tensor([s.sample_id for s in samples]),
-        }
 
 
 def _plain(value):
@@ -317,7 +273,7 @@ def _plain(value):
     return value
 
 
-@pytest.mark.parametrize("encoder", [AddsNoise, Restructures])
+@pytest.mark.parametrize("encoder", [AddsNoise, Nested])
 def test_encoded_batches_through_re_targeted_workers_are_the_trainers_own(spec, encoder):
     """With a task encoder, what the workers serve across quorum changes (through the ring, or packed)
     is what the trainer process builds for the same steps without workers."""

@@ -17,6 +17,7 @@ import sys
 
 import numpy
 import pytest
+from campaign.procs import alive
 from quorums import ScriptedQuorum
 
 from statefulset import IndexedDatasetWriter, StatefulsetError, WorkerConfig, get_savable_loader, get_train_dataset
@@ -89,15 +90,6 @@ def test_a_worker_killed_while_the_trainer_unpacks_a_batch_is_a_named_error(spec
     assert killed == [victim]
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not ended (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_closing_the_torchft_loader_ends_a_worker_that_cannot_act_on_sigterm(spec):
     """close() ends every worker before it returns: also one that neither saw its done event nor
     can act on torch's SIGTERM (here stopped, so the SIGTERM stays pending; in a full CI run a pool
@@ -113,10 +105,10 @@ def test_closing_the_torchft_loader_ends_a_worker_that_cannot_act_on_sigterm(spe
     os.kill(pids[0], signal.SIGSTOP)
     try:
         loader.close()
-        left = [pid for pid in pids if _alive(pid)]
+        left = [pid for pid in pids if alive(pid)]
     finally:
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
     assert left == [], f"workers {left} outlived close()"

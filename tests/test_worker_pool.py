@@ -21,6 +21,7 @@ import time
 
 import pytest
 from campaign.procs import alive, children
+from waiting import wait_for
 
 from statefulset import StatefulsetError
 from statefulset.tools.worker_pool import ordered_map
@@ -46,14 +47,6 @@ def _cli(*args: str) -> list[str]:
 
 def _same(a, b) -> bool:
     return all(filecmp.cmp(f"{a}.{e}", f"{b}.{e}", shallow=False) for e in ("bin", "idx"))
-
-
-def _wait_for(predicate, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 def _threads(pid: int) -> int:
@@ -221,11 +214,11 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state, si
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     workers: list[int] = []
     try:
-        _wait_for(lambda: len(children(proc.pid)) >= 3, "the three workers")
+        wait_for(lambda: len(children(proc.pid)) >= 3, "the three workers", 120)
         workers = children(proc.pid)
         # Stop them only once armed: a worker stopped between fork and its prctl can be ended by no one
         # but a SIGKILL (seen in CI at da4515b). The parent-watch thread starts right after the prctl.
-        _wait_for(lambda: all(_threads(p) >= 2 for p in workers), "the three workers' parent-watch threads")
+        wait_for(lambda: all(_threads(p) >= 2 for p in workers), "the three workers' parent-watch threads", 120)
         if workers_state == "stopped":
             for pid in workers:
                 os.kill(pid, signal.SIGSTOP)
@@ -233,7 +226,7 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path, workers_state, si
         assert proc.poll() is None, proc.stderr.read()
         os.kill(proc.pid, sig)
         assert proc.wait(timeout=BOUND_S) == (143 if sig == signal.SIGTERM else -sig)
-        _wait_for(lambda: not any(alive(p) for p in workers), "the workers to end after their parent", BOUND_S)
+        wait_for(lambda: not any(alive(p) for p in workers), "the workers to end after their parent", BOUND_S)
     finally:
         gate.unlink()
         for pid in workers:
@@ -253,7 +246,7 @@ def test_a_killed_worker_ends_the_run_with_a_named_error_and_no_process_left(tmp
                    "--workers", "2", "--chunk-bytes", "65536")  # fmt: skip
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
-        _wait_for(lambda: len(children(proc.pid)) >= 2, "the two workers")
+        wait_for(lambda: len(children(proc.pid)) >= 2, "the two workers", 120)
         workers = children(proc.pid)
         os.kill(workers[0], signal.SIGKILL)
         try:
@@ -307,7 +300,7 @@ def test_ctrl_c_or_sigterm_stops_the_run_its_workers_and_its_files(tmp_path, sto
                             preexec_fn=_terminal_signals)  # fmt: skip
     workers: list[int] = []
     try:
-        _wait_for(lambda: len(children(proc.pid)) >= 2, "the two workers")
+        wait_for(lambda: len(children(proc.pid)) >= 2, "the two workers", 120)
         workers = children(proc.pid)
         time.sleep(0.5)  # the workers hold their first units at the gate
         masks = _signal_masks(proc.pid)
@@ -329,7 +322,7 @@ def test_ctrl_c_or_sigterm_stops_the_run_its_workers_and_its_files(tmp_path, sto
         assert returned == code, stderr
         assert "stopped after" in stderr and "done" not in stderr and "100%" not in stderr, stderr
         assert "Traceback" not in stderr, stderr
-        _wait_for(lambda: not any(alive(p) for p in workers), "the workers to end", BOUND_S)
+        wait_for(lambda: not any(alive(p) for p in workers), "the workers to end", BOUND_S)
         assert os.listdir(tmp_path / "out") == []  # no output, no temporary
     finally:
         gate.unlink()

@@ -23,6 +23,7 @@ import time
 import numpy
 import pytest
 import torch
+from campaign.procs import alive, describe, stopped, wait_gone
 
 from statefulset import IndexedDatasetWriter, StatefulsetError, WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.loading.worker_start import MAX_STARTS, forks, frozen_for_fork, start_timeout
@@ -82,18 +83,6 @@ def _take(loader, n):
     return [(b["sample_id"].clone(), b["text"].clone()) for _, b in zip(range(n), loader, strict=False)]
 
 
-def _live_stopped(pids) -> list[int]:
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "T":
-                    found.append(pid)
-        except FileNotFoundError:
-            pass
-    return found
-
-
 @pytest.mark.parametrize("stuck_fork", [1, 2], ids=["worker0", "worker1"])
 def test_a_worker_stuck_at_birth_is_started_again_and_the_batches_are_exact(spec, freeze, caplog, stuck_fork):
     expected = _take(_loader(spec, workers=0), 12)
@@ -111,7 +100,7 @@ def test_a_worker_stuck_at_birth_is_started_again_and_the_batches_are_exact(spec
     assert elapsed < 30  # noticed after the 2 s start timeout, not the watchdog's minutes
     # The stuck process was killed, not left behind stopped.
     pids = [int(pid) for pid in re.findall(r"\(pid (\d+)\)", caplog.text)]
-    assert pids and not _live_stopped(pids)
+    assert pids and not stopped(pids)
 
 
 def test_a_resumed_loader_starts_again_from_its_own_next_batch(spec, freeze, caplog):
@@ -225,27 +214,6 @@ time.sleep(600)
 """
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie left for init to reap is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _state(pid: int) -> str:
-    """A process's state, parent and kernel wait channel, for a failure message."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            status = dict(line.split(":", 1) for line in f if ":" in line)
-        with open(f"/proc/{pid}/wchan") as f:
-            wchan = f.read()
-        return f"{status['State'].strip()} ppid {status['PPid'].strip()} wchan {wchan}"
-    except (FileNotFoundError, KeyError):
-        return "gone"
-
-
 def test_a_worker_whose_trainer_died_while_it_started_exits(spec, tmp_path):
     """torch's worker takes the parent it sees after its start for the trainer to watch: a trainer
     SIGKILLed while its workers were starting must not leave them running, adopted by init."""
@@ -264,14 +232,11 @@ def test_a_worker_whose_trainer_died_while_it_started_exits(spec, tmp_path):
         trainer.kill()  # while both workers are held in their start
         trainer.wait(timeout=30)
     try:
-        deadline = time.monotonic() + 30
-        while any(_running(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = {p: _state(p) for p in pids if _running(p)}
+        left = {p: describe(p) for p in wait_gone(pids, 30)}
         assert not left, f"workers still running 30 s after their trainer was SIGKILLed: {left}"
     finally:
         for p in pids:
-            if _running(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
 
 

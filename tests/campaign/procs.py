@@ -44,6 +44,31 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def stopped(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that are live and stopped (SIGSTOP)."""
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def describe(pid: int) -> str:
+    """A process's name, state, parent and kernel wait channel, for a failure message."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+        return f"{status['Name'].strip()} {status['State'].strip()} ppid {status['PPid'].strip()} wchan {wchan}"
+    except (OSError, KeyError):
+        return "gone"
+
+
 def group_members(pgid: int) -> list[int]:
     """Live processes whose process group is ``pgid``."""
     found = []
