@@ -237,6 +237,14 @@ def loader_comparisons(summary: dict[str, Any], positions: list[int]) -> list[Co
     return _finite(out)
 
 
+# bench_stream.py's batch variants compared: (megatron-core's, ours, the bar's label).
+_BATCH_PAIRS = (
+    ("megatron_getitem", "ours_megatron", "batch of 8 (megatron)\nvs GPTDataset[i] loop"),
+    ("megatron_raw", "ours_megatron", "batch of 8 (megatron)\nvs raw index loop"),
+    ("megatron_getitem", "ours_native", "batch of 8 (native packing)\nvs GPTDataset[i] loop"),
+)
+
+
 def stream_comparisons(result: dict[str, Any]) -> list[Comparison]:
     """bench_stream.py: index build (cold) per epoch setting and batch assembly, megatron-core against ours."""
     out = []
@@ -247,30 +255,10 @@ def stream_comparisons(result: dict[str, Any]) -> list[Comparison]:
                 Comparison(label, _median(row["megatron_cold"]["seconds"]), _median(row["ours_cold"]["seconds"]))
             )
     variants = result.get("batch_summary", {}).get("variants", {})
-    if "megatron_getitem" in variants and "ours_megatron" in variants:
-        out.append(
-            Comparison(
-                "batch of 8 (megatron)\nvs GPTDataset[i] loop",
-                _median(variants["megatron_getitem"]["seconds_per_batch"]),
-                _median(variants["ours_megatron"]["seconds_per_batch"]),
-            )
-        )
-    if "megatron_raw" in variants and "ours_megatron" in variants:
-        out.append(
-            Comparison(
-                "batch of 8 (megatron)\nvs raw index loop",
-                _median(variants["megatron_raw"]["seconds_per_batch"]),
-                _median(variants["ours_megatron"]["seconds_per_batch"]),
-            )
-        )
-    if "megatron_getitem" in variants and "ours_native" in variants:
-        out.append(
-            Comparison(
-                "batch of 8 (native packing)\nvs GPTDataset[i] loop",
-                _median(variants["megatron_getitem"]["seconds_per_batch"]),
-                _median(variants["ours_native"]["seconds_per_batch"]),
-            )
-        )
+    for theirs, ours, label in _BATCH_PAIRS:
+        if theirs in variants and ours in variants:
+            anchor, mine = (_median(variants[v]["seconds_per_batch"]) for v in (theirs, ours))
+            out.append(Comparison(label, anchor, mine))
     return _finite(out)
 
 
