@@ -297,5 +297,5 @@ def test_refused_rows_write_no_document_fields(shards):
     targets = FieldTargets(2, SEQ, given)
     with pytest.raises(SequenceIndexError, match=f"position {len(stream)} is outside"):
         stream.gather_pieces([0, len(stream)], documents=targets.request)
-    assert targets.request[5] == -1 and not targets.written
+    assert targets.request[3] == -1 and not targets.written
     assert all((value == 7).all() for value in given.values())

@@ -213,6 +213,40 @@ def test_vectorised_rule_equals_megatron_core_per_row(case):
             numpy.testing.assert_array_equal(got[name], numpy.stack([e[name] for e in expected]), err_msg=name)
 
 
+def test_the_kernel_writes_every_remainder_of_its_wide_stores():
+    """sf_document_fields stores position_ids 4 values and cu_seqlens padding 8 values at a time, then the
+    rest one by one: rows whose documents take every length remainder modulo 4 and whose padding of
+    cu_seqlens takes every remainder modulo 8 (1 to 15 segments), with and without bestfit padding,
+    give the numpy rule's values and the megatron-core rule's, written into arrays full of garbage."""
+    seq_length = 127
+    width = seq_length + 1
+    rows = []
+    for documents in range(1, 16):
+        for first in range(1, 5):
+            for pad in (0, 3):
+                lengths = [first + (i % 4) for i in range(documents - 1)]
+                rest = width - pad - sum(lengths)
+                rows.append(([*lengths, rest], pad))
+    pieces = Pieces(
+        numpy.array([len(p) for p, _ in rows]),
+        numpy.array([n for p, _ in rows for n in p], dtype=numpy.int64),
+        numpy.array([width - pad for _, pad in rows]),
+    )
+    expected = [_megatron_rule(p + ([pad] if pad else []), seq_length) for p, pad in rows]
+    b = len(rows)
+    garbage = {
+        "cu_seqlens": numpy.full((b, width), -5, dtype=numpy.int32),
+        "max_seqlen": numpy.full(b, -5, dtype=numpy.int32),
+        "position_ids": numpy.full((b, seq_length), -5, dtype=numpy.int64),
+    }
+    kernel = document_fields(pieces, seq_length, native=True, out=garbage)
+    assert all(kernel[name] is garbage[name] for name in garbage)  # written in place, by the kernel
+    numpy_rule = document_fields(pieces, seq_length, native=False)
+    for name in ("cu_seqlens", "max_seqlen", "position_ids"):
+        numpy.testing.assert_array_equal(kernel[name], numpy_rule[name], err_msg=name)
+        numpy.testing.assert_array_equal(kernel[name], numpy.stack([e[name] for e in expected]), err_msg=name)
+
+
 @settings(max_examples=200, deadline=None)
 @given(piece_rows(), st.integers(1, 3))
 def test_fields_from_the_wire_equal_the_fields(case, count):

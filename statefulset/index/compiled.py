@@ -57,7 +57,7 @@ logger = logging.getLogger("statefulset")
 _SOURCE = Path(__file__).with_name("kernels.c")
 _MODULE_SOURCE = Path(__file__).with_name("kernels_module.c")  # the extension module's own functions
 _INSTALLED = f"{__name__.rpartition('.')[0]}._kernels"  # the extension module setup.py builds
-_ABI = 10
+_ABI = 11
 _REBUILD = "pip install . (or pip install -e . / python setup.py build_ext --inplace in a checkout)"
 
 _lock = threading.Lock()
@@ -114,9 +114,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     # the right dtypes, see address()), since ndpointer's checks cost ~10 µs per argument (and
     # even reading an array's address costs ~1.7 µs, so callers pass as few as they can).
     ptr = ctypes.c_void_p
-    lib.sf_document_fields.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.sf_document_fields.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.sf_document_fields.restype = i64
-    lib.sf_document_fields_batches.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.sf_document_fields_batches.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
     lib.sf_document_fields_batches.restype = i64
     lib.sf_window_pieces.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr]
     lib.sf_window_pieces.restype = i64

@@ -36,9 +36,9 @@ TOKEN_KINDS = {
 }
 INDEX_KINDS = {numpy.dtype(t): k for k, t in enumerate((numpy.int16, numpy.int32, numpy.int64, numpy.uint32))}
 TABLE, SOURCE, BATCH = 6, 18, 4
-# kernels.c's SF_FIELDS_*: cu_seqlens, max_seqlen, position_ids, iota, fill, then the code (a request
+# kernels.c's SF_FIELDS_*: cu_seqlens, max_seqlen, position_ids, then the code (a request
 # then says whether the pieces are kept where the fields were written: FieldTargets.request)
-FIELDS = 6
+FIELDS = 4
 MEGATRON, NATIVE = 0, 1
 # Pieces a batch block holds at first, per row (a sample spans ~5 documents of 500 tokens); more
 # are made room for when a batch needs them.
@@ -71,7 +71,7 @@ class BatchKernel:
         """Rows of ``out`` (and ``masks``) from ``rows_in`` (megatron: the positions; native: each row's
         source, then its local sample); their pieces with ``want``, else None; REFUSED when not filled.
 
-        ``documents`` (with ``want``): the document fields' five addresses, a code and whether to keep
+        ``documents`` (with ``want``): the document fields' three addresses, a code and whether to keep
         the pieces, as :class:`~statefulset.streams.documents.FieldTargets` holds them: the kernel
         writes the fields in the same call and sets the code (0: written; else the caller computes them
         apart). Where it wrote them and the pieces are not kept, None: they stay in the block."""

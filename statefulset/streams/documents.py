@@ -23,7 +23,7 @@ import numpy
 
 from statefulset.errors import StatefulsetError
 from statefulset.index import compiled
-from statefulset.streams.field_targets import FieldTargets, constant_rows, data_address
+from statefulset.streams.field_targets import FieldTargets, data_address
 
 DOCUMENT_FIELDS = ("cu_seqlens", "max_seqlen", "position_ids")
 # How the document fields of a batch travel from a DataLoader worker: its pieces, not the fields
@@ -115,9 +115,8 @@ def _fields_compiled(
             raise StatefulsetError(f"internal: {pieces.lengths.size} piece lengths for {total} pieces")
         packed = numpy.concatenate([pieces.counts, pieces.used, pieces.lengths]).astype(numpy.int64, copy=False)
     # The kernel gets raw addresses: every array behind one is held by this frame (packed) or by
-    # targets until the call returns, so another read-ahead thread evicting CONSTANT_ROWS cannot
-    # free what the kernel is reading (C9).
-    code = lib.sf_document_fields(data_address(packed), packed.size, rows, seq_length, *targets.request[:5])
+    # targets until the call returns.
+    code = lib.sf_document_fields(data_address(packed), packed.size, rows, seq_length, *targets.request[:3])
     return targets.fields if code == 0 else None
 
 
@@ -310,11 +309,10 @@ def fields_from_wire(
     lib = compiled.pick(native)
     first = 0
     if lib is not None and count and rows:
-        constant = constant_rows(seq_length)  # held across the call: the kernel reads its rows
         code = lib.sf_document_fields_batches(
             compiled.address(wire, numpy.int64), count, rows * (seq_length + 3), rows, seq_length,
             compiled.address(out["cu_seqlens"], numpy.int32), compiled.address(out["max_seqlen"], numpy.int32),
-            compiled.address(out["position_ids"], numpy.int64), constant[2], constant[3],
+            compiled.address(out["position_ids"], numpy.int64),
         )  # fmt: skip
         if code == 0:
             return

@@ -1,5 +1,5 @@
 """Where a batch's document fields are written: :class:`FieldTargets` (arrays given, such as a ring
-slot's, else one new block), and the constant rows the fields kernels copy from."""
+slot's, else one new block)."""
 
 from __future__ import annotations
 
@@ -9,40 +9,20 @@ import numpy
 
 from statefulset.index import compiled
 
-CONSTANT_ROWS: dict[int, tuple[numpy.ndarray, numpy.ndarray, int, int]] = {}
-
-
-def constant_rows(seq_length: int) -> tuple[numpy.ndarray, numpy.ndarray, int, int]:
-    """``0..S-1`` (int64) and ``S+1`` copies of ``S`` (int32), and their addresses: rows the kernel copies.
-
-    The caller holds the returned tuple across its kernel call: the cache may drop these rows at
-    any time (another thread asking for other lengths), and an address alone keeps nothing alive.
-    """
-    found = CONSTANT_ROWS.get(seq_length)
-    if found is None:
-        if len(CONSTANT_ROWS) > 8:  # a few sequence lengths per process at most
-            CONSTANT_ROWS.clear()
-        iota = numpy.arange(seq_length, dtype=numpy.int64)
-        fill = numpy.full(seq_length + 1, seq_length, dtype=numpy.int32)
-        found = (iota, fill, iota.ctypes.data, fill.ctypes.data)
-        CONSTANT_ROWS[seq_length] = found
-    return found
-
 
 class FieldTargets:
     """Where a batch's document fields go: ``given``'s arrays where they fit (a ring slot), else three new
     arrays; and the addresses a kernel writes them at (``request``).
 
-    ``request`` is ``[cu_seqlens, max_seqlen, position_ids, iota, fill, code, keep]``: the three
-    arrays' addresses, the constant rows' (held here: :func:`constant_rows` may drop its copy at any
-    time, and an address alone keeps nothing alive), a code the kernel sets, 0 once it wrote the
-    fields (``sf_gather_batch``'s ``fields``), then ``keep``: whether the batch's pieces are still
-    wanted where the kernel wrote the fields (without, they are not copied out of its block: the
-    caller needs them for nothing else). Written for a per-batch cost of a few µs: numpy's per-call
-    overheads (``prod``, ``.ctypes``) would otherwise cost more than the kernel's work.
+    ``request`` is ``[cu_seqlens, max_seqlen, position_ids, code, keep]``: the three arrays' addresses,
+    a code the kernel sets, 0 once it wrote the fields (``sf_gather_batch``'s ``fields``), then
+    ``keep``: whether the batch's pieces are still wanted where the kernel wrote the fields (without,
+    they are not copied out of its block: the caller needs them for nothing else). Written for a
+    per-batch cost of a few µs: numpy's per-call overheads (``prod``, ``.ctypes``) would otherwise
+    cost more than the kernel's work.
     """
 
-    __slots__ = ("_held", "fields", "request")
+    __slots__ = ("fields", "request")
 
     def __init__(self, rows: int, seq_length: int, given: dict[str, numpy.ndarray], keep: bool = True) -> None:
         cu, top, pos = given.get("cu_seqlens"), given.get("max_seqlen"), given.get("position_ids")
@@ -54,16 +34,13 @@ class FieldTargets:
             cu = numpy.empty((rows, seq_length + 1), dtype=_INT32)
             top = numpy.empty(rows, dtype=_INT32)
             pos = numpy.empty((rows, seq_length), dtype=_INT64)
-        addresses = [data_address(cu), data_address(top), data_address(pos)]  # type: ignore[arg-type]
-        constant = constant_rows(seq_length)
-        self._held = constant  # alive while a kernel may read these rows (the arrays are in fields)
         self.fields: dict[str, Any] = {"cu_seqlens": cu, "max_seqlen": top, "position_ids": pos}
-        self.request = [*addresses, constant[2], constant[3], -1, keep]
+        self.request = [data_address(cu), data_address(top), data_address(pos), -1, keep]  # type: ignore[arg-type]
 
     @property
     def written(self) -> bool:
         """Whether a kernel wrote the fields (its code is 0)."""
-        return self.request[5] == 0
+        return self.request[3] == 0
 
 
 _INT32, _INT64 = numpy.dtype(numpy.int32), numpy.dtype(numpy.int64)
