@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from statefulset import IndexedDatasetWriter, StatefulsetError, WorkerConfig, get_train_dataset
 from statefulset.loading import torch_internals
-from statefulset.loading.batches import BatchSource, receive
+from statefulset.loading.batches import BatchSource
+from statefulset.loading.receive import receive
 from statefulset.loading.ring import BatchRing
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -36,21 +36,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from statefulset.errors import StatefulsetError
-from statefulset.loading.encoded import Arena, from_arena, pack, received
-from statefulset.loading.encoded_ring import TORCH_DTYPES, Staged, in_ring_layout, staged, staged_kept, write_slot
+from statefulset.loading.encoded import Arena, pack
+from statefulset.loading.encoded_bundle import EncodeFailed, Gathered, encode_bundle, whole_bundles
+from statefulset.loading.encoded_ring import Staged, in_ring_layout, staged, staged_kept, write_slot
 from statefulset.loading.read_ahead import read_ahead, read_ahead_depth
 from statefulset.loading.ring import BatchRing
 from statefulset.loading.state import Cursor
 from statefulset.shards import storage_stats
 from statefulset.streams.base import SampleStream
-from statefulset.streams.documents import WIRE, fields_from_wire, gather_fields
+from statefulset.streams.documents import WIRE, gather_fields
 from statefulset.streams.provenance import source_prefixes
-
-_TORCH_DTYPES = TORCH_DTYPES
 
 
 class BatchSource(IterableDataset):
@@ -133,6 +131,10 @@ class BatchSource(IterableDataset):
         hand-off), and samples that keep the dataset's layout come back :class:`Staged` for the ring.
         ``home``: ``(view, i)``, the slot (``ring.view``, stamps begun) and place where the batch goes: the
         rows are gathered there (int64 ``text``) and the encoder gets views of them (encoded_ring)."""
+        return self.encode_gathered(self.gathered(t, rows, home), ring, home)
+
+    def gathered(self, t: int, rows: Any, home: tuple[Any, int] | None = None) -> Gathered:
+        """Batch ``t``'s fields, gathered into place ``home`` (``(slot view, i)``) when given, not yet encoded."""
         positions = self.cursor.positions(t)
         wrapped = positions % self.wrap if self.wrap else positions  # self.positions(t)
         target = None if home is None else {name: array[home[1]] for name, array in home[0].items()}
@@ -145,6 +147,11 @@ class BatchSource(IterableDataset):
                 for name, value in fields.items():
                     target[name][...] = value
                 fields = target
+        return Gathered(fields, slot_rows, positions, wrapped)
+
+    def encode_gathered(self, batch: Gathered, ring: BatchRing | None, home: tuple[Any, int] | None) -> Any:
+        """:meth:`encoded` of a batch :meth:`gathered` (into ``home`` when given)."""
+        fields, slot_rows, positions, wrapped = batch
         sources = source_prefixes(self.stream, wrapped)
         if ring is None:
             return self.encoder.micro_batch(fields, positions, sources)
@@ -173,20 +180,24 @@ class BatchSource(IterableDataset):
             pending: list[Any] = []
             bundles = 0
             arena = Arena(ring.slots)  # bundles out of the ring's layout
+            whole = whole_bundles(self.encoder)  # gathered per micro-batch, encoded per bundle (encoded_bundle)
             for t, rows in self.batches(numpy.int64, worker, workers, ring.bundle):
                 if pending and t != pending[0][0] + len(pending):  # the next bundle began: send this one
-                    yield self._send_encoded(ring, worker, bundles, pending, saved, arena)
+                    yield self._hand_off(ring, worker, bundles, pending, saved, arena, whole)
                     pending, bundles = [], bundles + 1
                 view = ring.view(worker, bundles % ring.slots)
                 if not pending:
                     ring.begin(worker, bundles % ring.slots, t)  # before its rows are gathered into the slot
-                pending.append((t, self.encoded(t, rows, ring, (view, len(pending)))))
+                home = (view, len(pending))
+                pending.append((t, self.gathered(t, rows, home) if whole else self.encoded(t, rows, ring, home)))
                 if len(pending) == ring.bundle:
-                    yield self._send_encoded(ring, worker, bundles, pending, saved, arena)
+                    yield self._hand_off(ring, worker, bundles, pending, saved, arena, whole)
                     pending, bundles = [], bundles + 1
             if pending:
-                yield self._send_encoded(ring, worker, bundles, pending, saved, arena)
+                yield self._hand_off(ring, worker, bundles, pending, saved, arena, whole)
         except Exception as exc:  # reported by the trainer, naming this worker and batch
+            if isinstance(exc, EncodeFailed):  # the micro-batch of the sample that failed
+                t, exc = exc.t, exc.cause
             yield "error", worker, t, f"{type(exc).__name__}: {exc}"
         finally:
             if saved is not None:
@@ -229,6 +240,19 @@ class BatchSource(IterableDataset):
         finally:
             if saved is not None:
                 self.encoder.restore(saved)
+
+    def _hand_off(
+        self, ring: BatchRing, worker: int, bundles: int, pending: list[Any], saved: Any, arena: Arena, whole: bool
+    ) -> tuple[Any, ...]:
+        """:meth:`_send_encoded`; ``whole``: ``pending`` holds the bundle gathered, encoded here in one call."""
+        if whole:
+            first, count, slot = pending[0][0], len(pending), bundles % ring.slots
+            pending = encode_bundle(self, ring, ring.view(worker, slot), pending)  # type: ignore[assignment]
+            if pending is None:  # every sample kept: the slot holds the bundle
+                if saved is not None:
+                    self.encoder.restore(saved)
+                return _sent(ring, worker, slot, first, count)
+        return self._send_encoded(ring, worker, bundles, pending, saved, arena)
 
     def _send_encoded(
         self, ring: BatchRing, worker: int, bundles: int, pending: list[Any], saved: Any, arena: Arena | None = None
@@ -299,15 +323,6 @@ class BatchSource(IterableDataset):
             yield "error", info.id, t, f"{type(exc).__name__}: {exc}"
 
 
-def _from_arena(source: BatchSource, item: tuple[Any, ...]) -> tuple[int, list[Any]]:
-    """An arena hand-off's batches (statefulset.loading.encoded.Arena); the blocks held on the trainer's source."""
-    arenas = source.__dict__.setdefault("_arenas", {})
-    try:
-        return from_arena(arenas, item, source.ring.slots)  # type: ignore[union-attr]
-    except ValueError as exc:
-        raise StatefulsetError(str(exc)) from None
-
-
 def _collated(batch: Any) -> Any:
     return batch.collated() if isinstance(batch, Staged) else batch
 
@@ -316,70 +331,6 @@ def _sent(ring: BatchRing, worker: int, slot: int, first: int, count: int) -> tu
     """The note for a filled slot, after its end stamp is written."""
     ring.end(worker, slot, first)
     return "bundle", worker, slot, first, count
-
-
-def receive(source: BatchSource, item: Any, expected: int) -> list[Any]:
-    """The trainer's batches from what a worker (or the in-process source) handed over."""
-    if item[0] == "error":
-        _, worker, t, message = item
-        where = f"micro-batch {t}" if t is not None else "its first micro-batch"
-        raise StatefulsetError(f"DataLoader worker {worker}, building {where}: {message}")
-    if item[0] in ("encoded", "local", "arena"):
-        if item[0] == "arena":
-            t, batches = _from_arena(source, item)
-        else:
-            t, batches = received(item) if item[0] == "encoded" else (item[1], [item[2]])
-        if t != expected:
-            raise StatefulsetError(f"internal: expected micro-batch {expected}, a worker delivered {t}")
-        return batches
-    if item[0] == "bundle":
-        _, worker, slot, t, count = item
-        if t != expected:
-            raise StatefulsetError(f"internal: expected micro-batch {expected}, worker {worker} delivered {t}")
-        ring: BatchRing = source.ring  # type: ignore[assignment]
-        view = ring.view(worker, slot)
-        batches: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
-        for name, array in view.items():
-            if name == WIRE:  # the document fields, computed here from their pieces
-                _receive_documents(source, (worker, slot), batches, array[:count], t)
-                continue
-            # Copied out of the slot now (text widened to int64): the worker may refill it once we
-            # ask for more.
-            dtype = torch.int64 if name == "text" else _TORCH_DTYPES[array.dtype]
-            values = torch.empty((count, *array.shape[1:]), dtype=dtype)
-            values.numpy()[:] = array[:count]
-            for batch, value in zip(batches, values.unbind(0), strict=True):
-                batch[name] = value
-        ring.check(worker, slot, t)
-    else:
-        t, arrays = item
-        count, batches = 1, [{name: torch.from_numpy(value) for name, value in arrays.items()}]
-    if t != expected:
-        raise StatefulsetError(f"internal: expected micro-batch {expected}, a worker delivered {t}")
-    for i, batch in enumerate(batches):
-        batch["sample_id"] = torch.from_numpy(source.cursor.positions(t + i))
-    return batches
-
-
-def _receive_documents(
-    source: BatchSource, where: tuple[int, int], batches: list[dict[str, torch.Tensor]], wire: numpy.ndarray, t: int
-) -> None:
-    """``cu_seqlens``, ``max_seqlen`` and ``position_ids`` of the bundle's batches, from the pieces in
-    slot ``where`` (worker, slot): one kernel call writes them, in place of three copies out of the slot."""
-    count, rows, seq_length = wire.shape[0], wire.shape[1], source.stream.seq_length
-    made = {
-        "cu_seqlens": torch.empty((count, rows, seq_length + 1), dtype=torch.int32),
-        "max_seqlen": torch.empty((count, rows), dtype=torch.int32),
-        "position_ids": torch.empty((count, rows, seq_length), dtype=torch.int64),
-    }
-    try:
-        fields_from_wire(wire, seq_length, {k: v.numpy() for k, v in made.items()}, lambda i: source.positions(t + i))
-    except StatefulsetError:
-        source.ring.check(*where, t)  # type: ignore[union-attr]  # a torn slot says so first
-        raise
-    for name, values in made.items():
-        for batch, value in zip(batches, values.unbind(0), strict=True):
-            batch[name] = value
 
 
 def describe_batch(source: BatchSource, t: int, workers: int) -> str:

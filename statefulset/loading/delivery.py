@@ -24,10 +24,11 @@ from torch.utils.data import DataLoader
 from statefulset.errors import StatefulsetError
 from statefulset.index.native.keys import derive_key
 from statefulset.loading import torch_internals
-from statefulset.loading.batches import BatchSource, describe_batch, receive
+from statefulset.loading.batches import BatchSource, describe_batch
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
 from statefulset.loading.metrics import Meter
+from statefulset.loading.receive import receive
 from statefulset.loading.ring import make_ring
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import HARD_PERIODS, InProcessSource, TimedOut, Watchdog

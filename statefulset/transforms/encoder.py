@@ -110,7 +110,8 @@ class TaskEncoderRunner:
             result = method.call(argument, **kwargs)
             self._check_globals(method.name, before)
             return result
-        except StatefulsetError:
+        except StatefulsetError as exc:
+            named(exc, sample_id)
             raise
         except Exception as exc:
             raise self._failure(method.name, sample_id, exc) from exc
@@ -118,7 +119,8 @@ class TaskEncoderRunner:
     def _failure(self, name: str, sample_id: Any, exc: Exception) -> StatefulsetError:
         """The error naming this encoder, the hook ``name`` and the sample (or micro-batch) it failed on."""
         what = f"sample {sample_id}" if name == "encode_sample" else f"the micro-batch from {sample_id}"
-        return StatefulsetError(f"task encoder {self.identity}: {name} failed on {what}: {type(exc).__name__}: {exc}")
+        message = f"task encoder {self.identity}: {name} failed on {what}: {type(exc).__name__}: {exc}"
+        return named(StatefulsetError(message), sample_id)
 
     def _check_globals(self, name: str, before: tuple[Any, Any, Any]) -> None:
         after = save_globals()
@@ -184,11 +186,12 @@ class TaskEncoderRunner:
 
     def _refuse_result(self, encoded: Any, sample_id: int) -> None:
         if encoded is None or hasattr(encoded, "__next__"):
-            raise StatefulsetError(
+            message = (
                 f"task encoder {self.identity}: encode_sample returned "
                 f"{'None' if encoded is None else 'an iterator'} for sample {sample_id}: it must return one sample "
                 "(skipping or multiplying samples would make the stream depend on more than the position)"
             )
+            raise named(StatefulsetError(message), sample_id)
 
     def micro_batch(
         self, rows: dict[str, numpy.ndarray], sample_ids: numpy.ndarray, sources: list[str], keep: bool = True
@@ -239,7 +242,8 @@ class TaskEncoderRunner:
                     values = sample.__dict__
                     kept = len(values) == len(_MADE) and all(map(is_, values.values(), made))
                 samples.append(encoded)
-        except StatefulsetError:
+        except StatefulsetError as exc:
+            named(exc, made[1])
             raise
         except Exception as exc:  # as _run names it
             raise self._failure("encode_sample", made[1], exc) from exc
@@ -258,7 +262,8 @@ class TaskEncoderRunner:
         lists = [c if type(c) is list else list(c) for c in columns]
         try:
             kept, stopped = loop(TokenSample, self.encode.call, _MADE, lists, samples)
-        except StatefulsetError:
+        except StatefulsetError as exc:
+            named(exc, lists[1][len(samples)])
             raise
         except Exception as exc:  # as _run names it
             raise self._failure("encode_sample", lists[1][len(samples)], exc) from exc
@@ -292,7 +297,8 @@ class TaskEncoderRunner:
                         t is made[0] and i is made[1] and s is made[2] and m is made[3]
                         and c is made[4] and x is made[5] and p is made[6]
                     )  # fmt: skip
-        except StatefulsetError:
+        except StatefulsetError as exc:
+            named(exc, made[1])
             raise
         except Exception as exc:  # as _run names it
             raise self._failure("encode_sample", made[1], exc) from exc
@@ -342,6 +348,15 @@ class TaskEncoderRunner:
         if self.encode_batch is not None:
             out = self._run(self.encode_batch, first, out)
         return out
+
+
+def named(error: StatefulsetError, sample_id: Any) -> StatefulsetError:
+    """``error`` (ours, or one the encoder raised) marked with the sample it was raised for, as
+    ``error.sample_id`` (a batch hook's: its micro-batch's first), unless it names one already: a worker
+    that encoded a bundle of micro-batches in one call says which one failed (encoded_bundle)."""
+    if getattr(error, "sample_id", None) is None:
+        error.sample_id = sample_id  # type: ignore[attr-defined]
+    return error
 
 
 def _compiled_loop() -> Any:

@@ -38,10 +38,11 @@ import torch
 
 from statefulset.errors import StatefulsetError
 from statefulset.integrations.torchft.pool import Options, PlanWorkers
-from statefulset.loading.batches import BatchSource, receive
+from statefulset.loading.batches import BatchSource
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
 from statefulset.loading.loader import get_savable_loader
+from statefulset.loading.receive import receive
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import CallerWatch, InProcessSource
 from statefulset.streams.documents import gather_fields

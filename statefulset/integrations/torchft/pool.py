@@ -33,9 +33,10 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from statefulset.errors import StatefulsetError
 from statefulset.index.native.keys import derive_key
 from statefulset.loading import torch_internals
-from statefulset.loading.batches import BatchSource, receive
+from statefulset.loading.batches import BatchSource
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
+from statefulset.loading.receive import receive
 from statefulset.loading.ring import BatchRing, make_ring
 from statefulset.loading.state import Cursor
 from statefulset.loading.watchdog import STALL_SECONDS, TimedOut, Watchdog
@@ -109,7 +110,7 @@ class Feed:
 
 class Builds(Dataset):
     """What a worker does with a request (in the worker process): ``(generation, note)``, where the
-    note is what :func:`~statefulset.loading.batches.receive` takes, or None when the request's
+    note is what :func:`~statefulset.loading.receive.receive` takes, or None when the request's
     plan was replaced before or while it was built."""
 
     def __init__(self, source: BatchSource, generation: torch.Tensor, trainer: int | None) -> None:
