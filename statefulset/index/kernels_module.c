@@ -222,29 +222,41 @@ static PyObject *es_encode(PyObject *self, PyObject *const *args, Py_ssize_t nar
         }
         rows = PyList_GET_SIZE(column);
     }
+    /* Every row's __dict__ starts as a copy of this one (the names in order, each None): a copy of a
+       dict of that size is one allocation, where inserting the names one by one grows it on the way. */
+    PyObject *blank = PyDict_New();
+    if (blank == NULL)
+        return NULL;
+    for (Py_ssize_t j = 0; j < width; j++) {
+        if (PyDict_SetItem(blank, PyTuple_GET_ITEM(names, j), Py_None) < 0) {
+            Py_DECREF(blank);
+            return NULL;
+        }
+    }
     int kept = 1;
     Py_ssize_t stopped = -1;
     for (Py_ssize_t i = 0; i < rows; i++) {
-        PyObject *values = PyDict_New();
+        PyObject *values = PyDict_Copy(blank);
         if (values == NULL)
-            return NULL;
+            goto fail;
         for (Py_ssize_t j = 0; j < width; j++) {
-            if (PyDict_SetItem(values, PyTuple_GET_ITEM(names, j), PyList_GET_ITEM(PyList_GET_ITEM(columns, j), i)) < 0) {
+            PyObject *value = PyList_GET_ITEM(PyList_GET_ITEM(columns, j), i);
+            if (value != Py_None && PyDict_SetItem(values, PyTuple_GET_ITEM(names, j), value) < 0) {
                 Py_DECREF(values);
-                return NULL;
+                goto fail;
             }
         }
         PyObject *sample = cls->tp_alloc(cls, 0);
         if (sample == NULL || PyObject_GenericSetDict(sample, values, NULL) < 0) {
             Py_XDECREF(sample);
             Py_DECREF(values);
-            return NULL;
+            goto fail;
         }
         Py_DECREF(values);
         PyObject *result = PyObject_Vectorcall(call, &sample, 1, NULL);
         if (result == NULL) {
             Py_DECREF(sample);
-            return NULL;
+            goto fail;
         }
         if (result != sample) {
             kept = 0;
@@ -256,7 +268,7 @@ static PyObject *es_encode(PyObject *self, PyObject *const *args, Py_ssize_t nar
             if (now == NULL) {
                 Py_DECREF(result);
                 Py_DECREF(sample);
-                return NULL;
+                goto fail;
             }
             Py_ssize_t at = 0, j = 0;
             PyObject *key, *value;
@@ -271,11 +283,15 @@ static PyObject *es_encode(PyObject *self, PyObject *const *args, Py_ssize_t nar
         int failed = PyList_Append(out, result);
         Py_DECREF(result);
         if (failed < 0)
-            return NULL;
+            goto fail;
         if (stopped >= 0)
             break;
     }
+    Py_DECREF(blank);
     return Py_BuildValue("(On)", kept ? Py_True : Py_False, stopped);
+fail:
+    Py_DECREF(blank);
+    return NULL;
 }
 
 static PyMethodDef sf_kernels_methods[] = {
