@@ -113,7 +113,8 @@ WORKER_START_TIMEOUT = Setting(
 )  # fmt: skip
 READ_AHEAD = Setting(
     "STATEFULSET_READ_AHEAD", 8, _non_negative_int, "a whole number of batches >= 0",
-    "Batches a process reads ahead from object storage (0 turns read-ahead off).",
+    "Batches a process reads ahead from object storage, and with num_workers=0 the batches its "
+    "helper thread builds a request (0 turns read-ahead off).",
 )  # fmt: skip
 
 # --------------------------------------------------------------------------- preprocessing

@@ -28,6 +28,7 @@ from statefulset.loading.batches import BatchSource, describe_batch
 from statefulset.loading.datasets import StreamDataset
 from statefulset.loading.encoded import pin
 from statefulset.loading.metrics import Meter
+from statefulset.loading.read_ahead import read_ahead_depth
 from statefulset.loading.receive import receive
 from statefulset.loading.ring import make_ring
 from statefulset.loading.state import Cursor
@@ -135,7 +136,9 @@ class Delivery:
         else:
             self.iterator = iter(self.loader)
             if self.watchdog.timeout is not None:  # no workers: build on a thread, wait under the watchdog
-                self.in_process = InProcessSource(self.iterator)
+                # Without a task encoder, STATEFULSET_READ_AHEAD batches a request (statefulset.loading.watchdog).
+                ahead = max(read_ahead_depth(), 1) if self.source.encoder is None else 1
+                self.in_process = InProcessSource(self.iterator, per_request=ahead)
 
     def _resume(self, loader: DataLoader, source: BatchSource, iterator: Any) -> None:
         """A new pass of persistent workers: torch drains the last pass's batches and restarts them."""

@@ -16,10 +16,13 @@ oldest storage request in flight, repeated at doubling waits (docs/observability
 
 With ``num_workers=0`` the batches are built in the trainer process, where a stalled read would
 block the very thread that has to notice it. So while the watchdog is on, an
-:class:`InProcessSource` builds them on one helper thread, one batch per request (no read-ahead:
-the same batches, built at the same moments), and the trainer waits for each under the
-watchdog's bound. A build that never returns is left behind on its (daemon) thread when the
-watchdog raises. Measured cost: benchmarks/bench_watchdog_thread.py.
+:class:`InProcessSource` builds them on one helper thread and the trainer waits for each under the
+watchdog's bound. Without a task encoder the thread builds ``STATEFULSET_READ_AHEAD`` batches (8)
+a request: the hand-off between the threads (a wake-up each way) is paid once a request, and the
+batches after the first are built while the trainer works. With one, a batch a request, built
+only while the trainer waits for it (an encoder may seed the global RNGs the trainer's thread
+draws from). A build that never returns is left behind on its (daemon) thread when the watchdog
+raises. Measured cost: benchmarks/bench_watchdog_thread.py and bench_loader.py's 0-worker rows.
 
 Work that the caller does on its own thread and that reads only local memory-mapped files (the
 first step after a torchft quorum change) is watched by a :class:`CallerWatch` instead: the caller
@@ -141,37 +144,42 @@ class Clocks:
 
 
 def _serve(iterator: Iterator[Any], requests: queue.SimpleQueue, results: queue.SimpleQueue) -> None:
-    while requests.get() is not None:
-        try:
-            results.put((True, next(iterator)))
-        except BaseException as exc:  # StopIteration too: the trainer raises whatever the build raised
-            results.put((False, exc))
+    while (count := requests.get()) is not None:
+        for _ in range(count):
+            try:
+                results.put((True, next(iterator)))
+            except BaseException as exc:  # StopIteration too: the trainer raises whatever the build raised
+                results.put((False, exc))
+                break  # the request ends with its error (the trainer's count of items asked for says so)
 
 
 class InProcessSource:
     """``next(iterator)`` on a helper thread, so that the trainer's wait for it can be bounded.
 
-    :meth:`get` is a watchdog ``get`` callable: it asks for the next item (once), then waits up
-    to ``period`` seconds for it, raising :class:`TimedOut` if it has not come (the request stays
-    pending: the next call waits for the same item). The thread ends when this object is
-    garbage-collected.
+    :meth:`get` is a watchdog ``get`` callable: it asks for the next ``per_request`` items when none
+    is asked for (one request at a time), then waits up to ``period`` seconds for the next one,
+    raising :class:`TimedOut` if it has not come (the request stays pending: the next call waits
+    for the same item). With ``per_request`` > 1 the thread builds that many items ahead of the
+    caller, and the hand-off between the threads (a wake-up each way) is paid once a request, not
+    once an item. The thread ends when this object is garbage-collected.
     """
 
-    def __init__(self, iterator: Iterator[Any], name: str = "statefulset-batches") -> None:
+    def __init__(self, iterator: Iterator[Any], name: str = "statefulset-batches", per_request: int = 1) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = False
+        self._per_request = per_request
+        self._asked = 0  # items asked for and not taken yet
         thread = threading.Thread(target=_serve, args=(iterator, self._requests, self._results), name=name)
         thread.daemon = True  # a build stuck in storage must not keep the trainer from exiting
         thread.start()
         weakref.finalize(self, self._requests.put, None)
 
     def ask(self) -> None:
-        """Ask for the next item now (at most once before it is taken): the thread starts on it while
-        the caller does something else, and :meth:`get` then only waits."""
-        if not self._pending:
-            self._requests.put(True)
-            self._pending = True
+        """Ask for the next items now (unless some are asked for already): the thread starts on them
+        while the caller does something else, and :meth:`get` then only waits."""
+        if not self._asked:
+            self._requests.put(self._per_request)
+            self._asked = self._per_request
 
     def get(self, period: float | None) -> Any:
         self.ask()
@@ -179,8 +187,9 @@ class InProcessSource:
             ok, value = self._results.get(timeout=period)
         except queue.Empty:
             raise TimedOut from None
-        self._pending = False
+        self._asked -= 1
         if not ok:
+            self._asked = 0  # the thread ended the request at this error
             raise value
         return value
 
