@@ -5,6 +5,8 @@ timed out waits for the same item. Real threads; each wait is bounded (tests/wai
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -65,3 +67,38 @@ def test_a_wait_that_timed_out_waits_for_the_same_item():
         source.get(0.05)  # the gate is closed: the item cannot have come
     gate.set()
     assert [source.get(BOUND_S) for _ in range(6)] == list(range(6))
+
+
+EXITING = """
+import os, sys, threading, time
+from statefulset.loading.watchdog import InProcessSource
+
+started, finished = sys.argv[1], sys.argv[2]
+
+def items():
+    yield 0
+    open(started, "w").close()
+    time.sleep(0.5)  # still building when the main thread returns
+    open(finished, "w").close()
+    yield 1
+
+source = InProcessSource(items(), per_request=2)
+assert source.get(30) == 0
+deadline = time.monotonic() + 30
+while not os.path.exists(started) and time.monotonic() < deadline:
+    time.sleep(0.005)
+print("exiting", flush=True)
+"""
+
+
+def test_the_interpreter_exits_only_after_the_helper_finished_the_item_it_was_building(tmp_path):
+    """A daemon helper thread still inside torch's C++ code while the interpreter finalised aborted the
+    process (bench_loader's resume child, once in 80, after 4c79954 made the thread build ahead; 0 in
+    120 before). At exit the thread now ends after its item (statefulset.loading.watchdog._stop_helpers).
+    The exit lands while the item is being built: the main thread returns once it has started. Without
+    the join the process ended mid-item and the item never finished (seen)."""
+    started, finished = tmp_path / "started", tmp_path / "finished"
+    run = subprocess.run([sys.executable, "-c", EXITING, str(started), str(finished)], capture_output=True,
+                         text=True, timeout=BOUND_S)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.strip() == "exiting", run.stderr
+    assert started.exists() and finished.exists()
