@@ -39,3 +39,18 @@ def write_sources(
                 else:
                     w.add_document(document(rng, s, d))
     return prefixes
+
+
+def geometric_spec(root: Path, seed: int, documents: int, mean: int, seq_length: int) -> dict:
+    """A native-packed spec over one dataset ``root/a`` of ``documents`` documents of geometric
+    lengths of ``mean`` (uint16 tokens below 65,000), drawn from one generator seeded ``seed``."""
+    rng = numpy.random.default_rng(seed)
+    with IndexedDatasetWriter(root / "a", dtype=numpy.uint16) as w:
+        for _ in range(documents):
+            w.add_document(rng.integers(0, 65000, int(rng.geometric(1 / mean))))
+    return {
+        "data_path": str(root / "a"),
+        "seq_length": seq_length,
+        "packing": "native",
+        "path_to_cache": str(root / "c"),
+    }

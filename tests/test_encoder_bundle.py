@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy
 import pytest
+from corpora import geometric_spec
 
-from statefulset import IndexedDatasetWriter, StatefulsetError, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset import StatefulsetError, WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.loading.batches import BatchSource
 from statefulset.loading.encoded_bundle import Gathered, encode_bundle, whole_bundles
 from statefulset.loading.encoded_ring import Staged, write_slot
@@ -59,12 +60,7 @@ class Batches:
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bundle")
-    rng = numpy.random.default_rng(11)
-    with IndexedDatasetWriter(root / "a", dtype=numpy.uint16) as w:
-        for _ in range(300):
-            w.add_document(rng.integers(0, 65000, int(rng.geometric(1 / 25))))
-    return {"data_path": str(root / "a"), "seq_length": 16, "packing": "native", "path_to_cache": str(root / "c")}
+    return geometric_spec(tmp_path_factory.mktemp("bundle"), seed=11, documents=300, mean=25, seq_length=16)
 
 
 def test_whole_bundles_only_for_collating_encoders_without_a_micro_batch_path():

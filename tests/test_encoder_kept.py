@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy
 import pytest
 import torch
+from corpora import geometric_spec
 from encoders import AnotherSample, Identity, ReAdds
 
 from statefulset import (
-    IndexedDatasetWriter,
     StatefulsetError,
     WorkerConfig,
     get_savable_loader,
@@ -75,12 +75,7 @@ KEPT = {Identity: True, ShiftsInPlace: True, ShiftsInPlaceWithRng: True, NewArra
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kept")
-    rng = numpy.random.default_rng(7)
-    with IndexedDatasetWriter(root / "a", dtype=numpy.uint16) as w:
-        for _ in range(300):
-            w.add_document(rng.integers(0, 65000, int(rng.geometric(1 / 30))))
-    return {"data_path": str(root / "a"), "seq_length": 16, "packing": "native", "path_to_cache": str(root / "c")}
+    return geometric_spec(tmp_path_factory.mktemp("kept"), seed=7, documents=300, mean=30, seq_length=16)
 
 
 def _rows(count: int, seed: int) -> dict[str, numpy.ndarray]:

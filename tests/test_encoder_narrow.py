@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy
 import pytest
 import torch
+from corpora import geometric_spec
 
-from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.index import compiled
 from statefulset.loading.encoded_ring import narrowed
 
@@ -96,12 +97,7 @@ class LeavesTheDtypeAt:
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    root = tmp_path_factory.mktemp("narrow")
-    rng = numpy.random.default_rng(11)
-    with IndexedDatasetWriter(root / "a", dtype=numpy.uint16) as w:
-        for _ in range(300):
-            w.add_document(rng.integers(0, 65000, int(rng.geometric(1 / 30))))
-    return {"data_path": str(root / "a"), "seq_length": 16, "packing": "native", "path_to_cache": str(root / "c")}
+    return geometric_spec(tmp_path_factory.mktemp("narrow"), seed=11, documents=300, mean=30, seq_length=16)
 
 
 def test_a_bundle_leaving_the_dtype_midway_arrives_exact(spec, kernels_or_numpy):

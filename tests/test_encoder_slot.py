@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy
 import pytest
 import torch
+from corpora import geometric_spec
 
-from statefulset import IndexedDatasetWriter, WorkerConfig, get_savable_loader, get_train_dataset
+from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.loading.ring import bundle_size, make_ring
 from statefulset.streams.documents import FieldSpec
 
@@ -72,12 +73,7 @@ class ReplacesTheRowsArray:
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    root = tmp_path_factory.mktemp("slot")
-    rng = numpy.random.default_rng(3)
-    with IndexedDatasetWriter(root / "a", dtype=numpy.uint16) as w:
-        for _ in range(400):
-            w.add_document(rng.integers(0, 65000, int(rng.geometric(1 / 20))))
-    return {"data_path": str(root / "a"), "seq_length": 12, "packing": "native", "path_to_cache": str(root / "c")}
+    return geometric_spec(tmp_path_factory.mktemp("slot"), seed=3, documents=400, mean=20, seq_length=12)
 
 
 def _as_lists(value):
