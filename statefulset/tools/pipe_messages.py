@@ -87,13 +87,16 @@ class Receiver:
         self._filled = 0
 
     def pump(self) -> list[bytearray]:
-        """Complete payloads read now (EOFError when the writer closed its end mid-message or idle)."""
+        """Complete payloads read now (EOFError when the writer closed its end mid-message or idle, and
+        this call read no complete payload: the ones it read come first, the error at the next call)."""
         done: list[bytes] = []
         while True:
             try:
                 if self._body is None:
                     data = os.read(self.fd, HEADER.size - len(self._header))
                     if not data:
+                        if done:
+                            return done
                         raise EOFError
                     self._header += data
                     if len(self._header) == HEADER.size:
@@ -105,6 +108,8 @@ class Receiver:
                 view = memoryview(self._body)[self._filled :]
                 n = os.readv(self.fd, [view[:READ_BYTES]])
                 if n == 0:
+                    if done:
+                        return done
                     raise EOFError
                 self._filled += n
                 if self._filled == len(self._body):
