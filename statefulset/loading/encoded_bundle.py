@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy
 
 from statefulset.errors import StatefulsetError
-from statefulset.loading.encoded_ring import staged
+from statefulset.loading.encoded_ring import holds_slot, staged
 from statefulset.streams.provenance import source_prefixes
 
 
@@ -50,13 +50,6 @@ def whole_bundles(encoder: Any) -> bool:
     return encoder.collates and getattr(encoder.encoder, "encode_rows_in_place", None) is None
 
 
-def _in_slot(batch: Gathered) -> bool:
-    rows = batch.slot_rows
-    if rows is None or len(batch.fields) != len(rows):
-        return False
-    return all(batch.fields.get(name) is array for name, array in rows.items())
-
-
 def encode_bundle(
     source: Any, ring: Any, view: dict[str, numpy.ndarray], pending: list[tuple[int, Gathered]]
 ) -> list[tuple[int, Any]] | None:
@@ -65,7 +58,8 @@ def encode_bundle(
     micro-batch's ``(t, batch)`` as ``source.encode_gathered`` gives it (Staged, or the encoder's batch).
     Raises :class:`EncodeFailed` naming the micro-batch whose sample failed."""
     batches = [g for _, g in pending]
-    if ring.staged_names is None or not all(map(_in_slot, batches)):  # never staged, or a gather replaced a field
+    # Never staged, or a gather replaced a field: micro-batch by micro-batch.
+    if ring.staged_names is None or not all(holds_slot(g.fields, g.slot_rows) for g in batches):
         return [(t, source.encode_gathered(g, ring, (view, i))) for i, (t, g) in enumerate(pending)]
     count, rows = len(batches), ring.batch_size
     positions = numpy.concatenate([g.positions for g in batches]) if count > 1 else batches[0].positions

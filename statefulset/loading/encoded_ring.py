@@ -144,10 +144,17 @@ def staged_kept(
     they are still exactly the slot's own arrays (``slot_rows``, made by ``BatchSource.encoded`` from
     ``ring.view``: the ring's fields, in order, of their shapes and dtypes by construction), nothing is
     checked: the rows are in place; else they are checked once (:func:`_kept`)."""
-    in_place = slot_rows is not None and len(rows) == len(slot_rows) and names is not None
-    if in_place and all(rows.get(name) is array for name, array in slot_rows.items()):  # type: ignore[union-attr]
+    if names is not None and holds_slot(rows, slot_rows):
         return Staged(slot_rows, positions)  # type: ignore[arg-type]
     return staged([], fields, names, positions, rows, kept=True)
+
+
+def holds_slot(rows: dict[str, Any], slot_rows: dict[str, numpy.ndarray] | None) -> bool:
+    """Whether a micro-batch's fields ``rows`` are still exactly the slot's own arrays ``slot_rows``
+    (None: the micro-batch has no slot), none replaced and none added."""
+    if slot_rows is None or len(rows) != len(slot_rows):
+        return False
+    return all(rows.get(name) is array for name, array in slot_rows.items())
 
 
 def _kept(
