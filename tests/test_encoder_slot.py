@@ -1,8 +1,10 @@
-"""A task encoder's rows gathered straight into the batch ring's slot (``ring.make_ring``, ``BatchSource.encoded``):
-the ring carries ``text`` as int64, the encoder's samples hold views of the slot's rows, and a field it
-kept or changed in place is not copied again. Whatever the encoder does with those views (changes them
-in place beyond the corpus's dtype, replaces them with other views of the same row, replaces one field
-and changes another in place, hands them to its own ``batch``), every batch equals what one process
+"""A task encoder's rows gathered straight into the batch ring's slot (``ring.make_ring``,
+``BatchSource.encoded``): the ring carries ``text`` in the corpus dtype (int64 for an encoder whose
+micro-batch path changes rows in place), the encoder's samples hold views of the slot's rows (``text``
+widened to int64 where it is read: statefulset.transforms.sample), and a field it kept or changed in
+place is not copied again. Whatever the encoder does with those views (changes them in place beyond
+the corpus's dtype, replaces them with other views of the same row, replaces one field and changes
+another in place, hands them to its own ``batch``), every batch equals what one process
 encodes for the same positions."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from corpora import geometric_spec
 from statefulset import WorkerConfig, get_savable_loader, get_train_dataset
 from statefulset.loading.ring import bundle_size, make_ring
 from statefulset.streams.documents import FieldSpec
+from statefulset.transforms.encoder import TaskEncoderRunner
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -106,11 +109,12 @@ def test_workers_deliver_what_one_process_encodes(spec, encoder, boundaries, pac
     assert _batches(spec, encoder, 2, 120, document_boundaries=boundaries) == expected
 
 
-def test_a_ring_for_an_encoder_carries_int64_text_in_bundles_of_the_corpus_dtype():
+def test_a_ring_carries_text_in_the_corpus_dtype_unless_the_encoder_changes_rows_in_place():
     fields = [FieldSpec("text", (2049,), numpy.dtype(numpy.uint16)), FieldSpec("loss_mask", (2048,), numpy.dtype("f4"))]
-    plain = make_ring(2, 3, 8, fields, encoded=False)
-    wide = make_ring(2, 3, 8, fields, encoded=True)
-    assert plain.dtype == numpy.uint16 and wide.dtype == numpy.int64
-    assert wide.bundle == plain.bundle == bundle_size(8, fields)
+    plain = make_ring(2, 3, 8, fields, None)
+    lazy = make_ring(2, 3, 8, fields, TaskEncoderRunner(ChangesOneReplacesAnother(), seed=0))
+    wide = make_ring(2, 3, 8, fields, TaskEncoderRunner(ReplacesTheRowsArray(), seed=0))
+    assert plain.dtype == lazy.dtype == numpy.uint16 and wide.dtype == numpy.int64
+    assert wide.bundle == lazy.bundle == plain.bundle == bundle_size(8, fields)
     assert wide.view(1, 2)["text"].shape == (wide.bundle, 8, 2049)
     assert wide.view(1, 2)["loss_mask"].dtype == numpy.float32

@@ -130,7 +130,7 @@ class BatchSource(IterableDataset):
         With the worker's ``ring``: the global RNG states are the caller's to put back (once per
         hand-off), and samples that keep the dataset's layout come back :class:`Staged` for the ring.
         ``home``: ``(view, i)``, the slot (``ring.view``, stamps begun) and place where the batch goes: the
-        rows are gathered there (int64 ``text``) and the encoder gets views of them (encoded_ring)."""
+        rows are gathered there (``text`` in the ring's dtype) and the encoder gets views of them (encoded_ring)."""
         return self.encode_gathered(self.gathered(t, rows, home), ring, home)
 
     def gathered(self, t: int, rows: Any, home: tuple[Any, int] | None = None) -> Gathered:
@@ -181,7 +181,7 @@ class BatchSource(IterableDataset):
             bundles = 0
             arena = Arena(ring.slots)  # bundles out of the ring's layout
             whole = whole_bundles(self.encoder)  # gathered per micro-batch, encoded per bundle (encoded_bundle)
-            for t, rows in self.batches(numpy.int64, worker, workers, ring.bundle):
+            for t, rows in self.batches(ring.dtype, worker, workers, ring.bundle):
                 if pending and t != pending[0][0] + len(pending):  # the next bundle began: send this one
                     yield self._hand_off(ring, worker, bundles, pending, saved, arena, whole)
                     pending, bundles = [], bundles + 1
@@ -214,7 +214,7 @@ class BatchSource(IterableDataset):
         try:
             saved = self.encoder.saved_globals() if self.encoder is not None else None
             depth = read_ahead_depth() if self.stream.remote else 0
-            dtype = numpy.int64 if self.encoder is not None else ring.dtype
+            dtype = ring.dtype
             built = read_ahead(lambda t: self._build(t, dtype=dtype), numbers, depth) if depth else None
             pending: list[Any] = []
             view = ring.view(worker, slot)

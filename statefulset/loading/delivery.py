@@ -61,7 +61,7 @@ def _data_loader(dataset: StreamDataset, cursor: Cursor, options: dict[str, Any]
         # Document fields travel as their pieces (a few hundred bytes instead of ~100x that); an
         # encoder's batches that keep the layout travel as the fields the trainer receives.
         fields = dataset.fields(wire=dataset.encoder is None)
-        ring = make_ring(workers, slots, dataset.batch_size, fields, dataset.encoder is not None)
+        ring = make_ring(workers, slots, dataset.batch_size, fields, dataset.encoder)
     source = BatchSource(
         stream, cursor, dataset.stop_batch(cursor), wrap, ring, dataset.document_boundaries, dataset.encoder
     )

@@ -47,7 +47,7 @@ class EncodeFailed(Exception):
 
 def whole_bundles(encoder: Any) -> bool:
     """Whether a worker encodes its bundles in one call each (``encoder``: a TaskEncoderRunner)."""
-    return encoder.collates and getattr(encoder.encoder, "encode_rows_in_place", None) is None
+    return encoder.collates and not encoder.rows_in_place
 
 
 def encode_bundle(

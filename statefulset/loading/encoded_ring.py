@@ -8,19 +8,21 @@ and copied once into *staged* arrays of the ring's row shapes (``text`` in int64
 which the worker then writes into its slot, or, when some batch of the bundle does not fit,
 turns into the collated dict the default collate gives, tensor for tensor.
 
-The ring of a dataset with a task encoder carries ``text`` as int64 (``ring.make_ring``): the
-worker gathers each micro-batch's rows straight into its slot and the encoder's samples hold views
-of them, so a field the encoder kept, or changed in place, is in the slot already
-(:attr:`Staged.home`: :func:`write_slot` skips it); only fields it replaced are copied in. There is
-no narrowing back into the corpus dtype and no range check, where the rows were once built apart in
-int64 and narrowed into a corpus-dtype slot. :func:`narrowed` still writes tokens into a narrower
-ring (its range checked in the same compiled pass, ``sf_narrow_tokens``): a batch with a token
-outside the dtype makes the worker send its bundle another way (``BatchSource._send_encoded``).
+The ring of a dataset with a task encoder carries ``text`` in the corpus dtype (``ring.make_ring``): the
+worker gathers each micro-batch's rows straight into its slot and the encoder's samples hold views of
+them, ``text`` widened to int64 only where the encoder reads it (statefulset.transforms.sample). A
+field the encoder kept (an identity never reads ``text``) is in the slot already (:attr:`Staged.home`:
+:func:`write_slot` skips it); a field it replaced, or ``text`` it read (an int64 copy, changed or not),
+is copied in, ``text`` narrowed back by :func:`narrowed` with its range checked in the same compiled
+pass (``sf_narrow_tokens``): a batch with a token outside the dtype makes the worker send its bundle
+another way (``BatchSource._send_encoded``). An encoder with a micro-batch path changing rows in place
+(FillInTheMiddle's) gets an int64 ring, its rows changed in the slot itself.
 
 A sample qualifies when it is a :class:`TokenSample` that holds exactly the ring's fields (no
-others), each a numpy array (or numpy scalar) of the field's row shape and dtype (``text``:
-int64), and its ``sample_id`` is its position as an int. Anything else goes through the default
-collate (statefulset.transforms.collate) and the layout check on its result, as before.
+others), each a numpy array (or numpy scalar) of the field's row shape and dtype (``text``: int64,
+or the ring row it was never read from), and its ``sample_id`` is its position as an int. Anything
+else goes through the default collate (statefulset.transforms.collate) and the layout check on its
+result, as before.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from statefulset.index.compiled import library, writable_address
 from statefulset.streams.documents import FieldSpec
-from statefulset.transforms.sample import DATASET_FIELDS, TokenSample
+from statefulset.transforms.sample import DATASET_FIELDS, TokenSample, narrower_integers
 
 _INT64 = numpy.dtype(numpy.int64)
 # The ring's token dtypes by the kernel's kind numbers (kernels.c, SF_KINDS).
@@ -46,8 +48,8 @@ _OWN_FIELDS = len(dataclasses.fields(TokenSample))  # a TokenSample's attributes
 
 
 class Staged:
-    """One micro-batch's fields as ``[batch_size, *shape]`` arrays (``text`` int64), in the ring's order;
-    the tokens not yet checked against the ring's dtype (:func:`write_slot` does)."""
+    """One micro-batch's fields as ``[batch_size, *shape]`` arrays (``text`` int64, or the ring's own rows),
+    in the ring's order; the tokens not yet checked against the ring's dtype (:func:`write_slot` does)."""
 
     def __init__(self, arrays: dict[str, numpy.ndarray], positions: numpy.ndarray) -> None:
         self.arrays = arrays
@@ -66,6 +68,9 @@ class Staged:
     def collated(self) -> dict[str, Any]:
         """What the default collate gives for the same samples: each field a tensor, then ``sample_id``."""
         out: dict[str, Any] = {name: torch.from_numpy(values) for name, values in self.arrays.items()}
+        text = self.arrays.get("text")
+        if text is not None and text.dtype != _INT64:  # rows kept in the ring's dtype: int64, as collated
+            out["text"] = torch.from_numpy(numpy.array(text, dtype=numpy.int64))
         out["sample_id"] = torch.from_numpy(numpy.array(self.positions, dtype=numpy.int64))
         return out
 
@@ -120,13 +125,13 @@ def staged(
         kept = rows.get(f.name) if rows is not None and views is not None else None
         if (
             kept is not None
-            and kept.dtype == dtype
+            and (kept.dtype == dtype or kept.dtype == f.dtype)
             and kept.shape[1:] == f.shape
             and all(map(is_, column, views[f.name]))
         ):
             arrays[f.name] = kept
             continue
-        array = _copied(column, dtype, f.shape)
+        array = _copied(column, dtype, f.shape, widen=f.name == "text")
         if array is None:
             return None
         arrays[f.name] = array
@@ -164,12 +169,14 @@ def _kept(
     positions: numpy.ndarray,
 ) -> Staged | None:
     """:func:`staged` of kept samples: ``rows`` itself, when it holds exactly the ring's fields, of
-    their row shapes and dtypes (``text`` int64)."""
+    their row shapes and dtypes (``text`` int64, or the ring's dtype)."""
     if len(rows) != len(names) or any(name not in rows for name in names):
         return None  # a field the ring does not carry, or one it carries that the samples lack
     for f in fields:
         array = rows[f.name]
-        if type(array) is not numpy.ndarray or array.dtype != (_INT64 if f.name == "text" else f.dtype):
+        if type(array) is not numpy.ndarray:
+            return None
+        if array.dtype != f.dtype and not (f.name == "text" and array.dtype == _INT64):
             return None
         if array.shape != (positions.size, *f.shape):
             return None
@@ -186,7 +193,7 @@ def _fits(text: numpy.ndarray, limits: Any) -> bool:
     return int(text.min()) >= limits.min and int(text.max()) <= limits.max
 
 
-def _copied(column: list[Any], dtype: numpy.dtype, shape: tuple[int, ...]) -> numpy.ndarray | None:
+def _copied(column: list[Any], dtype: numpy.dtype, shape: tuple[int, ...], widen: bool = False) -> numpy.ndarray | None:
     """The samples' values of one field as one ``[B, *shape]`` array, or None when one is not an array
     (or numpy scalar) of that dtype and shape."""
     out = numpy.empty((len(column), *shape), dtype=dtype)
@@ -195,7 +202,7 @@ def _copied(column: list[Any], dtype: numpy.dtype, shape: tuple[int, ...]) -> nu
             if not isinstance(value, numpy.generic):
                 return None
             value = numpy.asarray(value)
-        if value.dtype != dtype or value.shape != shape:
+        if value.shape != shape or (value.dtype != dtype and not (widen and narrower_integers(value.dtype))):
             return None
         out[i] = value
     return out
@@ -229,7 +236,7 @@ def in_ring_layout(ring: Any, positions: numpy.ndarray, batch: Any) -> bool:
     if not numpy.array_equal(ids.numpy(), positions):
         return False
     limits = numpy.iinfo(ring.dtype)
-    if limits.bits == 64 and limits.min < 0:  # int64 text (a task encoder's ring): every token fits
+    if limits.bits == 64 and limits.min < 0:  # int64 text (an in-place encoder's ring): every token fits
         return True
     return not text.numel() or (int(text.min()) >= limits.min and int(text.max()) <= limits.max)
 
@@ -258,7 +265,10 @@ def write_slot(view: dict[str, numpy.ndarray], i: int, batch: Any, limits: Any) 
 def narrowed(text: numpy.ndarray, out: numpy.ndarray, limits: Any) -> bool:
     """int64 ``text`` written into ``out`` (of the ring's dtype, ``limits`` its numpy.iinfo) when every
     token fits it, else False (``out`` then holds an undefined part of them): one compiled pass, or
-    without the kernels numpy's range check and copy."""
+    without the kernels numpy's range check and copy. ``text`` of ``out``'s own dtype is copied as it is."""
+    if text.dtype == out.dtype:  # the ring's own dtype (a row of a slot, kept elsewhere): nothing to check
+        out[...] = text
+        return True
     lib = library()
     kind = _KINDS.get(out.dtype)
     if lib is not None and kind is not None and text.dtype == _INT64 and text.shape == out.shape:

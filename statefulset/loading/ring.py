@@ -34,15 +34,18 @@ def bundle_size(batch_size: int, fields: list[FieldSpec]) -> int:
     return max(1, min(MAX_BUNDLE, BUNDLE_BYTES // max(per_batch, 1)))
 
 
-def make_ring(workers: int, slots: int, batch_size: int, fields: list[FieldSpec], encoded: bool) -> BatchRing:
-    """The ring of a dataset whose rows are ``fields``; ``encoded`` (a task encoder runs in the workers):
-    ``text`` travels as int64, the dtype the encoder sees, so that the worker gathers the rows straight
-    into its slot and hands the encoder views of them (no rows of its own, no narrowing back into the
-    corpus dtype: statefulset.loading.encoded_ring). Bundled as the corpus dtype's rows would be."""
+def make_ring(workers: int, slots: int, batch_size: int, fields: list[FieldSpec], encoder: Any) -> BatchRing:
+    """The ring of a dataset whose rows are ``fields``, with ``encoder`` (a TaskEncoderRunner, or None)
+    running in the workers. ``text`` travels in the corpus dtype, as without an encoder: the encoder's
+    samples hold the slot's rows and widen ``text`` to int64 only where it is read
+    (statefulset.transforms.sample), so an identity's slot is sent as it was gathered. An encoder that
+    changes a micro-batch's rows in place (``encode_rows_in_place``, FillInTheMiddle's compiled path)
+    works on int64 rows: its ring carries ``text`` as int64, gathered straight into the slot and changed
+    there (statefulset.loading.encoded_ring). Bundled as the corpus dtype's rows would be."""
     bundle = bundle_size(batch_size, fields)
-    if encoded:
-        wide = numpy.dtype(numpy.int64)
-        fields = [FieldSpec(f.name, f.shape, wide) if f.name == "text" else f for f in fields]
+    wide = encoder is not None and encoder.rows_in_place
+    if wide:
+        fields = [FieldSpec(f.name, f.shape, numpy.dtype(numpy.int64)) if f.name == "text" else f for f in fields]
     return BatchRing(workers, slots, batch_size, fields, bundle)
 
 
@@ -53,7 +56,8 @@ def _row_bytes(field: FieldSpec) -> int:
 class BatchRing:
     """``workers × slots`` buffers of ``bundle`` batches each, in one shared-memory block.
 
-    A slot holds every field of its batches (``text`` in the corpus dtype, int64 with a task encoder,
+    A slot holds every field of its batches (``text`` in the corpus dtype, int64 for an encoder that
+    changes rows in place,
     then ``loss_mask`` and the document fields when the dataset has them), one array per field, back
     to back.
     """

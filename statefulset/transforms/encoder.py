@@ -335,6 +335,11 @@ class TaskEncoderRunner:
         return samples
 
     @property
+    def rows_in_place(self) -> bool:
+        """Whether the encoder has a micro-batch path changing int64 rows in place (``encode_rows_in_place``)."""
+        return getattr(self.encoder, "encode_rows_in_place", None) is not None
+
+    @property
     def collates(self) -> bool:
         """Whether batches are the default collate of the encoded samples (no ``batch``, no ``encode_batch``)."""
         return self.batch is None and self.encode_batch is None

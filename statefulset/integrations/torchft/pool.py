@@ -184,7 +184,7 @@ class PlanWorkers:
         self.workers = dataset.worker_config.num_workers
         stream, b = dataset.stream, dataset.batch_size
         fields = dataset.fields()
-        self.ring = make_ring(self.workers, options.prefetch_factor + 1, b, fields, dataset.encoder is not None)
+        self.ring = make_ring(self.workers, options.prefetch_factor + 1, b, fields, dataset.encoder)
         self.generation = torch.zeros(1, dtype=torch.int64).share_memory_()
         self.generation_view = self.generation.numpy()  # written at each change: numpy's store, not torch's
         self.wrap = None if stream.unbounded or not dataset.repeat else len(stream)
