@@ -163,10 +163,12 @@ def _shard(docs: int, name: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # 100 + 5,000 batches fit the 6,109 of one epoch of the 200,000-document shard (no epoch boundary
-    # timed), and 5,000 make CPU time per batch exact to ~2 us (10 ms clock ticks).
-    parser.add_argument("--batches", type=int, default=5000)
-    parser.add_argument("--docs", type=int, default=200_000, help="documents in the benchmark shard")
+    # 100 + 20,000 batches fit the ~30,500 of one epoch of the 1,000,000-document shard (no epoch
+    # boundary timed). 20,000 batches time each run for ~1-3 s (5,000 timed 0.2 s, where one scheduling
+    # hiccup of the machine moved a round's ratio by 10%), and make CPU time per batch exact to ~0.5 us
+    # (10 ms clock ticks).
+    parser.add_argument("--batches", type=int, default=20_000)
+    parser.add_argument("--docs", type=int, default=1_000_000, help="documents in the benchmark shard")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each round runs every variant once")
     parser.add_argument("--quick", action="store_true", help="20,000 documents, 100 batches")
     parser.add_argument("--child", help=argparse.SUPPRESS)
