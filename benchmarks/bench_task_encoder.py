@@ -8,7 +8,8 @@ random tokens, geometric document lengths of mean 500, each document ending in t
 
 - ``none``: no task encoder (batches travel through the shared-memory ring);
 - ``identity``: ``encode_sample`` returns its sample; the worker gathers the rows into its ring slot
-  (``text`` as int64, the dtype the encoder sees) and the kept samples' rows are already there
+  (``text`` in the corpus dtype, widened to int64 only where an encoder reads it:
+  statefulset.transforms.sample) and the kept samples' rows are already there
   (statefulset.loading.encoded_ring);
 - ``identity_keyed``: the same under ``@stateless(restore_seeds=True)`` (the three global RNGs
   saved, seeded and restored per sample);
