@@ -57,9 +57,8 @@ class BatchRing:
     """``workers × slots`` buffers of ``bundle`` batches each, in one shared-memory block.
 
     A slot holds every field of its batches (``text`` in the corpus dtype, int64 for an encoder that
-    changes rows in place,
-    then ``loss_mask`` and the document fields when the dataset has them), one array per field, back
-    to back.
+    changes rows in place, then ``loss_mask`` and the document fields when the dataset has them), one
+    array per field, back to back.
     """
 
     def __init__(self, workers: int, slots: int, batch_size: int, fields: list[FieldSpec], bundle: int = 1) -> None:
