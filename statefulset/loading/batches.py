@@ -214,8 +214,7 @@ class BatchSource(IterableDataset):
         try:
             saved = self.encoder.saved_globals() if self.encoder is not None else None
             depth = read_ahead_depth() if self.stream.remote else 0
-            dtype = ring.dtype
-            built = read_ahead(lambda t: self._build(t, dtype=dtype), numbers, depth) if depth else None
+            built = read_ahead(lambda t: self._build(t, dtype=ring.dtype), numbers, depth) if depth else None
             pending: list[Any] = []
             view = ring.view(worker, slot)
             ring.begin(worker, slot, numbers[0])
