@@ -122,3 +122,21 @@ def test_batches_are_the_unencoded_ones_as_the_encoder_changed_them(spec, encode
         assert a["text"].dtype == torch.int64
         assert torch.equal(a["text"], expected)
         assert torch.equal(a["sample_id"], b["sample_id"])
+
+
+class DeletesText:
+    """Deletes ``text`` (a dataclass attribute can be deleted) in the first micro-batch's second sample."""
+
+    def encode_sample(self, sample):
+        if sample.sample_id == 1:
+            del sample.text
+        return sample
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_without_text_is_refused_naming_the_field_the_sample_and_its_micro_batch(spec, workers):
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
+    ds = get_train_dataset(spec, batch_size=3, worker_config=wc, task_encoder=DeletesText())
+    where = r"DataLoader worker 0, building micro-batch 0: StatefulsetError: " if workers else ""
+    with pytest.raises(StatefulsetError, match=where + r".*DeletesText.*sample 1 has no 'text'"):
+        next(iter(get_savable_loader(ds)))

@@ -56,7 +56,8 @@ def encode_bundle(
     """``pending`` (``(t, gathered)`` of places ``0, 1, ...`` of the slot ``view`` of ``source.ring``)
     encoded: None when the slot holds them as they are to be received (every sample kept), else each
     micro-batch's ``(t, batch)`` as ``source.encode_gathered`` gives it (Staged, or the encoder's batch).
-    Raises :class:`EncodeFailed` naming the micro-batch whose sample failed."""
+    Raises :class:`EncodeFailed` naming the micro-batch whose sample failed, or whose samples the
+    collate refused."""
     batches = [g for _, g in pending]
     # Never staged, or a gather replaced a field: micro-batch by micro-batch.
     if ring.staged_names is None or not all(holds_slot(g.fields, g.slot_rows) for g in batches):
@@ -80,9 +81,12 @@ def encode_bundle(
         part = slice(i * rows, (i + 1) * rows)
         mine = samples[part]
         views_i = {n: v[part] for n, v in views.items()}
-        found = staged(mine, ring.fields, ring.staged_names, batch.positions, batch.fields, views_i)
-        if found is not None:
-            out.append((t, found.placed((view, i), batch.slot_rows)))
-        else:
-            out.append((t, source.encoder.batched(mine, int(batch.positions[0]))))
+        try:
+            found = staged(mine, ring.fields, ring.staged_names, batch.positions, batch.fields, views_i)
+            if found is not None:
+                out.append((t, found.placed((view, i), batch.slot_rows)))
+            else:
+                out.append((t, source.encoder.batched(mine, int(batch.positions[0]))))
+        except StatefulsetError as exc:  # collate's or a batch hook's refusal: this micro-batch's
+            raise EncodeFailed(t, exc) from exc
     return out

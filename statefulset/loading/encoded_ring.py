@@ -115,13 +115,13 @@ def staged(
         own = sample.__dict__
         if len(own) != _OWN_FIELDS and any(v is not None for k, v in own.items() if k not in wanted):
             return None  # a field the encoder added
-        if any(own[name] is not None for name in absent):
+        if any(own.get(name) is not None for name in absent):
             return None  # a dataset field the ring does not carry
         held.append(own)
     arrays = {}
     for f in fields:
         dtype = _INT64 if f.name == "text" else f.dtype
-        column = [own[f.name] for own in held]
+        column = [own.get(f.name) for own in held]  # None where deleted: not an array, so not staged
         kept = rows.get(f.name) if rows is not None and views is not None else None
         if (
             kept is not None

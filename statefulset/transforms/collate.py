@@ -19,11 +19,18 @@ from statefulset.errors import StatefulsetError
 from statefulset.transforms.sample import TokenSample
 
 _SKIPPED = ("source",)
+_OWN = tuple(f.name for f in dataclasses.fields(TokenSample))  # what a TokenSample is made with
 
 
 def sample_fields(sample: Any, who: str) -> dict[str, Any]:
     """An encoded sample's fields by name: a TokenSample's, a dict's, or a dataclass's."""
     if isinstance(sample, TokenSample):
+        missing = [name for name in _OWN if name not in vars(sample)]
+        if missing:  # deleted (a dataclass attribute can be)
+            raise StatefulsetError(
+                f"{who}: encode_sample's sample {vars(sample).get('sample_id', '?')} has no {missing[0]!r} "
+                "(a TokenSample keeps every field it was made with; set one to None to leave it out)"
+            )
         return {k: v for k, v in sample.fields().items() if k not in _SKIPPED}
     if isinstance(sample, dict):
         return {k: v for k, v in sample.items() if k not in _SKIPPED}
